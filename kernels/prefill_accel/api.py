@@ -1,0 +1,216 @@
+"""Public entry points: validate inputs, route to the Triton kernels or the dense fallback."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import torch
+
+from . import reference
+from .config import SparsePrefillConfig
+from .layout import BatchLayout, BlockIndex
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+_warned: set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"prefill_accel: {reason}; using the dense PyTorch path", RuntimeWarning, stacklevel=3)
+
+
+def _check_inputs(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out) -> None:
+    """Errors for inputs that no path can compute: wrong ranks, mismatched shapes or lengths."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be (total_q, num_q_heads, head_dim), got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be (num_pages, page_size, num_kv_heads, head_dim), "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) and of the KV cache ({k_cache.shape[3]}) differ")
+    if num_kv == 0 or num_heads % num_kv:
+        raise ValueError(f"num_q_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv})")
+    if page_table.dim() != 2 or cu_seqlens_q.dim() != 1 or seqlens_k.dim() != 1:
+        raise ValueError("page_table must be (batch, max_pages), cu_seqlens_q (batch+1,), seqlens_k (batch,)")
+    batch = seqlens_k.shape[0]
+    if cu_seqlens_q.shape[0] != batch + 1 or page_table.shape[0] != batch:
+        raise ValueError(
+            f"batch sizes disagree: seqlens_k has {batch}, cu_seqlens_q {cu_seqlens_q.shape[0]} (needs batch+1), "
+            f"page_table {page_table.shape[0]} rows"
+        )
+    for name, t in (("page_table", page_table), ("cu_seqlens_q", cu_seqlens_q), ("seqlens_k", seqlens_k)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 (or int64), got {t.dtype}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ValueError(
+            f"out must match q: shape {tuple(q.shape)}, dtype {q.dtype}, device {q.device}; "
+            f"got {tuple(out.shape)}, {out.dtype}, {out.device}"
+        )
+
+
+def _check_lengths(cu_seqlens_q, seqlens_k, page_table, page_size: int, total_q: int) -> None:
+    cu_q = cu_seqlens_q.tolist()
+    if cu_q[0] != 0 or cu_q[-1] != total_q or any(b < a for a, b in zip(cu_q, cu_q[1:])):
+        raise ValueError(f"cu_seqlens_q must rise from 0 to total_q={total_q}, got {cu_q}")
+    pages_needed = -(-int(seqlens_k.max()) // page_size) if seqlens_k.numel() else 0
+    if pages_needed > page_table.shape[1]:
+        raise ValueError(
+            f"page_table has {page_table.shape[1]} columns but the longest sequence needs {pages_needed} pages"
+        )
+
+
+def _unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
+    """Why the Triton kernels cannot take these inputs, or None when they can."""
+    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype:
+        return f"dtype q={q.dtype}, cache={k_cache.dtype} is not supported by the kernels (fp16/bf16, equal)"
+    if q.shape[2] not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {q.shape[2]} is not supported by the kernels ({SUPPORTED_HEAD_DIMS})"
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"device {q.device.type} has no Triton backend (set TRITON_INTERPRET=1 to run the kernels on CPU)"
+    if q.stride(2) != 1 or k_cache.stride(3) != 1:
+        return "the last dimension of q and of the KV cache must be contiguous"
+    return None
+
+
+def _prepare(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out, config):
+    _check_inputs(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out)
+    _check_lengths(cu_seqlens_q, seqlens_k, page_table, k_cache.shape[1], q.shape[0])
+    if not isinstance(config, SparsePrefillConfig):
+        raise TypeError(f"config must be a SparsePrefillConfig, got {type(config).__name__}")
+
+
+def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
+
+
+def _dense_fallback(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, scale, out):
+    o, lse = reference.dense_paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, scale)
+    if out is None:
+        out = torch.empty_like(q)
+    out.copy_(o.to(q.dtype))
+    return out, lse
+
+
+def sparse_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    config: SparsePrefillConfig = SparsePrefillConfig(),
+    softmax_scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal block-sparse prefill attention over a paged KV cache: block selection, then attention.
+
+    Args:
+        q: (total_q, num_q_heads, head_dim), this step's queries of a batch of sequences packed
+            by ``cu_seqlens_q``. A sequence's queries are its last q_len positions.
+        k_cache, v_cache: (num_pages, page_size, num_kv_heads, head_dim), a paged cache already
+            holding this step's keys and values. num_q_heads must be a multiple of num_kv_heads.
+        page_table: (batch, max_pages) int32, the pages of each sequence in order.
+        cu_seqlens_q: (batch + 1,) int32, query offsets of the sequences in ``q``.
+        seqlens_k: (batch,) int32, each sequence's total KV length including this step, so
+            prefix_len = seqlens_k - q_len (chunked prefill, prefix caching).
+        config: the block search; ``threshold=0`` is exact dense attention.
+        softmax_scale: defaults to 1 / sqrt(head_dim).
+        out: optional preallocated output shaped and typed like ``q``.
+
+    Returns:
+        ``out`` (total_q, num_q_heads, head_dim) in q's dtype and ``lse`` (num_q_heads, total_q)
+        float32, the natural-log sum-exp of the scaled scores each query attended to.
+
+    Inputs the kernels do not support (dtype, head_dim, device, layout) are computed by the dense
+    PyTorch reference, with one warning per reason.
+    """
+    _prepare(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out, config)
+    scale = _scale(q, softmax_scale)
+    reason = _unsupported_reason(q, k_cache)
+    if reason is not None:
+        _warn_once(reason)
+        return _dense_fallback(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, scale, out)
+    from . import triton_kernels
+
+    layout = BatchLayout.build(cu_seqlens_q, seqlens_k, config, q.device)
+    if bool(layout.qblock_dense.all()):
+        index = None
+    else:
+        index = triton_kernels.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, layout, config, scale)
+    return triton_kernels.block_sparse_attention(
+        q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout, index, scale, config.mean_correction, out
+    )
+
+
+def select_blocks(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    config: SparsePrefillConfig = SparsePrefillConfig(),
+    softmax_scale: float | None = None,
+) -> BlockIndex:
+    """Stage 1: the block index (kept key blocks per query block and KV head, with the estimates).
+
+    Shapes as in :func:`sparse_prefill_attention`. Unsupported inputs use the PyTorch reference search.
+    """
+    _prepare(q, k_cache, k_cache, page_table, cu_seqlens_q, seqlens_k, None, config)
+    scale = _scale(q, softmax_scale)
+    reason = _unsupported_reason(q, k_cache)
+    if reason is not None:
+        _warn_once(reason)
+        return reference.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, config, scale)
+    from . import triton_kernels
+
+    layout = BatchLayout.build(cu_seqlens_q, seqlens_k, config, q.device)
+    return triton_kernels.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, layout, config, scale)
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    index: BlockIndex,
+    softmax_scale: float | None = None,
+    mean_correction: bool = False,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 2: causal attention over the key blocks ``index`` keeps (reusable across layers/steps).
+
+    Shapes and returns as in :func:`sparse_prefill_attention`; ``index`` must come from a search
+    over the same batch layout and the same number of KV heads.
+    """
+    _check_inputs(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out)
+    layout = index.layout
+    if layout.q_lens != tuple(torch.diff(cu_seqlens_q).tolist()) or layout.k_lens != tuple(seqlens_k.tolist()):
+        raise ValueError("index was built for another batch layout (sequence lengths differ)")
+    if index.num_kv_heads != k_cache.shape[2]:
+        raise ValueError(f"index has {index.num_kv_heads} KV heads, the cache {k_cache.shape[2]}")
+    scale = _scale(q, softmax_scale)
+    reason = _unsupported_reason(q, k_cache)
+    if reason is not None:
+        _warn_once(reason)
+        o, lse = reference.block_masked_attention(
+            q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, index, scale, mean_correction
+        )
+        out = torch.empty_like(q) if out is None else out
+        out.copy_(o.to(q.dtype))
+        return out, lse
+    from . import triton_kernels
+
+    return triton_kernels.block_sparse_attention(
+        q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout, index, scale, mean_correction, out
+    )

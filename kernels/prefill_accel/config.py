@@ -1,0 +1,78 @@
+"""Configuration of block-sparse prefill attention: one validated dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+SUPPORTED_BLOCK_SIZES = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class SparsePrefillConfig:
+    """How the block-importance search prunes key blocks.
+
+    A sequence's keys and queries are cut into blocks of ``block_size`` absolute positions.
+    For each query block and KV head the search estimates how much attention mass each
+    causal key block receives and keeps a key block when its estimate is at least
+    ``threshold`` times the largest estimate of that query block. ``threshold=0`` keeps every
+    causal block, which is exact dense attention.
+
+    The defaults are the ones measured in ``docs/accuracy.md``.
+    """
+
+    block_size: int = 128
+    """Positions per query block and per key block (64, 128 or 256)."""
+    threshold: float = 0.02
+    """Max-relative keep threshold in [0, 1]; 0 keeps every causal block."""
+    sink_blocks: int = 1
+    """Key blocks at the start of the sequence that every query block keeps (attention sinks)."""
+    local_blocks: int = 2
+    """Key blocks just before the diagonal block that every query block keeps (local window)."""
+    last_query_blocks: int = 1
+    """The last query blocks of each sequence are computed dense (they shape the first output token)."""
+    min_q_len: int = 8192
+    """Sequences whose query length in this step is below this are computed dense."""
+    query_stride: int = 1
+    """The search scores every ``query_stride``-th query row of a block (1 scores all rows)."""
+    mean_correction: bool = False
+    """Pruned key blocks fully visible to a query block contribute through their mean key and value."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            expected = bool if field.type in ("bool", bool) else None
+            if expected is bool and not isinstance(value, bool):
+                raise TypeError(f"SparsePrefillConfig.{field.name} must be a bool, got {value!r}")
+            if field.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"SparsePrefillConfig.{field.name} must be an int, got {value!r}")
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(
+                f"SparsePrefillConfig.block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}"
+            )
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
+            raise TypeError(f"SparsePrefillConfig.threshold must be a number, got {self.threshold!r}")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"SparsePrefillConfig.threshold must lie in [0, 1], got {self.threshold}")
+        for name in ("sink_blocks", "local_blocks", "last_query_blocks", "min_q_len"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SparsePrefillConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.query_stride < 1 or self.block_size % self.query_stride:
+            raise ValueError(
+                f"SparsePrefillConfig.query_stride must be >= 1 and divide block_size={self.block_size}, "
+                f"got {self.query_stride}"
+            )
+        if self.block_size // self.query_stride < 16:
+            raise ValueError(
+                f"SparsePrefillConfig.query_stride={self.query_stride} leaves fewer than 16 scored rows per "
+                f"block of {self.block_size}; use a smaller stride"
+            )
+
+    @property
+    def is_dense(self) -> bool:
+        """True when the configuration keeps every causal block (exact dense attention)."""
+        return self.threshold == 0.0
+
+    def replace(self, **changes) -> "SparsePrefillConfig":
+        """A copy with ``changes`` applied and validated."""
+        return dataclasses.replace(self, **changes)

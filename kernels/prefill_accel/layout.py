@@ -1,0 +1,143 @@
+"""Batch layout of a varlen prefill step in blocks, and the block index that selection produces.
+
+Blocks are aligned to absolute positions: query block ``i`` of a sequence holds the queries at
+positions ``[i * B, (i + 1) * B)`` that belong to this step, and key block ``j`` the keys at
+``[j * B, (j + 1) * B)``. A continuation chunk (prefix_len > 0) may therefore start in the middle
+of its first query block. Query block ``i`` sees key blocks ``0 .. i`` and masks block ``i`` causally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import SparsePrefillConfig
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where each query block of a packed batch lives. Built once per step on the host."""
+
+    block_size: int
+    q_lens: tuple[int, ...]
+    k_lens: tuple[int, ...]
+    qblock_seq: torch.Tensor
+    """(total_q_blocks,) int32: the sequence of each query block."""
+    qblock_pos: torch.Tensor
+    """(total_q_blocks,) int32: each query block's absolute block index, also its diagonal key block."""
+    qblock_dense: torch.Tensor
+    """(total_q_blocks,) int8: 1 where the query block is computed over every causal key block."""
+    seq_qblock_start: tuple[int, ...]
+    """First global query block of each sequence; the last entry is the total."""
+
+    @property
+    def batch(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def total_q_blocks(self) -> int:
+        return self.seq_qblock_start[-1]
+
+    @property
+    def max_k_blocks(self) -> int:
+        return max((-(-k // self.block_size) for k in self.k_lens), default=0)
+
+    @property
+    def prefix_lens(self) -> tuple[int, ...]:
+        return tuple(k - q for q, k in zip(self.q_lens, self.k_lens))
+
+    def causal_blocks(self) -> int:
+        """Number of (query block, key block) pairs allowed by causality, per KV head."""
+        return int((self.qblock_pos.long() + 1).sum().item())
+
+    @classmethod
+    def build(
+        cls,
+        cu_seqlens_q: torch.Tensor,
+        seqlens_k: torch.Tensor,
+        config: SparsePrefillConfig,
+        device: torch.device,
+    ) -> "BatchLayout":
+        """Lay out the batch in blocks; reads the two small length tensors on the host once."""
+        cu_q = cu_seqlens_q.detach().to("cpu", torch.int64).tolist()
+        k_lens = seqlens_k.detach().to("cpu", torch.int64).tolist()
+        q_lens = [cu_q[i + 1] - cu_q[i] for i in range(len(k_lens))]
+        block = config.block_size
+        seq_ids, positions, dense, starts = [], [], [], [0]
+        for seq, (q_len, k_len) in enumerate(zip(q_lens, k_lens)):
+            if q_len < 0 or q_len > k_len:
+                raise ValueError(
+                    f"sequence {seq}: query length {q_len} must lie in [0, seqlens_k={k_len}] "
+                    "(queries are the last q_len positions of the sequence)"
+                )
+            first = (k_len - q_len) // block
+            last = -(-k_len // block)  # one past the last query block
+            n = last - first if q_len > 0 else 0
+            seq_dense = config.is_dense or q_len < config.min_q_len
+            for pos in range(first, first + n):
+                seq_ids.append(seq)
+                positions.append(pos)
+                dense.append(1 if seq_dense or pos >= last - config.last_query_blocks else 0)
+            starts.append(starts[-1] + n)
+        as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+        return cls(
+            block_size=block,
+            q_lens=tuple(q_lens),
+            k_lens=tuple(k_lens),
+            qblock_seq=as_tensor(seq_ids, torch.int32),
+            qblock_pos=as_tensor(positions, torch.int32),
+            qblock_dense=as_tensor(dense, torch.int8),
+            seq_qblock_start=tuple(starts),
+        )
+
+
+@dataclass
+class BlockIndex:
+    """Kept key blocks per query block and KV head, as padded CSR rows.
+
+    Row ``(qb, h)`` keeps ``counts[qb, h]`` key blocks, listed in ascending order in
+    ``indices[qb, h, :counts[qb, h]]``; the diagonal block is always last. Entries past the count
+    are unspecified.
+    """
+
+    layout: BatchLayout
+    counts: torch.Tensor
+    """(total_q_blocks, num_kv_heads) int32."""
+    indices: torch.Tensor
+    """(total_q_blocks, num_kv_heads, max_k_blocks) int32."""
+    scores: torch.Tensor | None = None
+    """(total_q_blocks, num_kv_heads, max_k_blocks) float32: estimated share of the query block's
+    attention mass per causal key block (rows sum to 1); None for an index built without a search."""
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.counts.shape[1]
+
+    def to_mask(self) -> torch.Tensor:
+        """(total_q_blocks, num_kv_heads, max_k_blocks) bool mask of kept blocks."""
+        n = self.indices.shape[-1]
+        valid = torch.arange(n, device=self.counts.device) < self.counts.unsqueeze(-1).long()
+        columns = torch.where(valid, self.indices.long(), n)  # unused slots land in a spare column
+        mask = torch.zeros(*self.indices.shape[:-1], n + 1, dtype=torch.bool, device=self.counts.device)
+        mask.scatter_(-1, columns, True)
+        return mask[..., :n]
+
+    def density(self) -> float:
+        """Kept blocks over causal blocks, over all KV heads."""
+        causal = self.layout.causal_blocks() * self.num_kv_heads
+        return float(self.counts.long().sum().item()) / max(causal, 1)
+
+    @classmethod
+    def from_mask(cls, layout: BatchLayout, mask: torch.Tensor) -> "BlockIndex":
+        """An index from a (total_q_blocks, num_kv_heads, max_k_blocks) bool mask.
+
+        The mask is clipped to causal blocks and the diagonal block is added: every query needs it.
+        """
+        n = mask.shape[-1]
+        cols = torch.arange(n, device=mask.device)
+        diag = layout.qblock_pos.to(mask.device).long().view(-1, 1, 1)
+        mask = (mask.bool() & (cols <= diag)) | (cols == diag)
+        counts = mask.sum(-1).to(torch.int32)
+        indices = torch.where(mask, cols, cols + n).argsort(dim=-1).to(torch.int32)  # kept first, ascending
+        return cls(layout=layout, counts=counts, indices=indices)

@@ -1,0 +1,222 @@
+"""PyTorch references for every op of the package: dense paged attention, block selection and
+attention under a block mask. Plain loops over sequences, computed in float32 or float64.
+
+They define what the Triton kernels compute, serve as the dense fallback for inputs the
+kernels do not support, and are what the tests compare against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import SparsePrefillConfig
+from .layout import BatchLayout, BlockIndex
+
+
+def gather_kv(cache: torch.Tensor, page_table: torch.Tensor, seq: int, length: int) -> torch.Tensor:
+    """Contiguous (length, num_kv_heads, head_dim) keys or values of one sequence of a paged cache."""
+    page_size = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    pages = page_table[seq, pos // page_size].long()
+    return cache[pages, pos % page_size]
+
+
+def _sequences(cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor):
+    cu_q = cu_seqlens_q.tolist()
+    for seq, k_len in enumerate(seqlens_k.tolist()):
+        yield seq, cu_q[seq], cu_q[seq + 1], k_len
+
+
+def _attend(q, k, v, allowed, scale, extra_logits=None, extra_values=None):
+    """Softmax attention of q (Q, Hq, D) over k, v (K, Hq, D) under allowed (Hq, Q, K).
+
+    ``extra_logits`` (Hq, Q, E) and ``extra_values`` (Hq, E, D) add virtual keys (mean correction).
+    Returns out (Q, Hq, D) and natural-log lse (Hq, Q). Rows with no allowed key give zeros and -inf.
+    """
+    logits = torch.einsum("qhd,khd->hqk", q, k) * scale
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    values = v.transpose(0, 1)
+    if extra_logits is not None:
+        logits = torch.cat([logits, extra_logits], dim=-1)
+        values = torch.cat([values, extra_values], dim=1)
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.exp(logits - lse.unsqueeze(-1).clamp(min=torch.finfo(logits.dtype).min))
+    probs = torch.nan_to_num(probs, nan=0.0)
+    out = torch.einsum("hqk,hkd->qhd", probs, values)
+    return out, lse
+
+
+def _default_scale(head_dim: int, softmax_scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+
+
+def dense_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    softmax_scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    query_chunk: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact causal attention over a paged KV cache.
+
+    Shapes as in :func:`prefill_accel.sparse_prefill_attention`. Returns ``out`` (total_q, Hq, D) in
+    ``compute_dtype`` and ``lse`` (Hq, total_q) float32. Queries are processed ``query_chunk`` rows at
+    a time so long sequences fit in memory.
+    """
+    total_q, num_heads, head_dim = q.shape
+    group = num_heads // k_cache.shape[2]
+    scale = _default_scale(head_dim, softmax_scale)
+    out = torch.zeros(total_q, num_heads, head_dim, dtype=compute_dtype, device=q.device)
+    lse = torch.full((num_heads, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+    for seq, start, end, k_len in _sequences(cu_seqlens_q, seqlens_k):
+        k = gather_kv(k_cache, page_table, seq, k_len).to(compute_dtype).repeat_interleave(group, dim=1)
+        v = gather_kv(v_cache, page_table, seq, k_len).to(compute_dtype).repeat_interleave(group, dim=1)
+        prefix = k_len - (end - start)
+        key_pos = torch.arange(k_len, device=q.device)
+        for row in range(start, end, query_chunk):
+            rows = slice(row, min(row + query_chunk, end))
+            q_pos = prefix + torch.arange(rows.start - start, rows.stop - start, device=q.device)
+            allowed = (key_pos[None, :] <= q_pos[:, None]).expand(num_heads, -1, -1)
+            o, l = _attend(q[rows].to(compute_dtype), k, v, allowed, scale)
+            out[rows], lse[:, rows] = o, l.float()
+    return out, lse
+
+
+def pooled_blocks(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean of each block of ``block_size`` rows of x (L, H, D), and each block's length."""
+    length = x.shape[0]
+    n = -(-length // block_size)
+    padded = torch.zeros(n * block_size, *x.shape[1:], dtype=x.dtype, device=x.device)
+    padded[:length] = x
+    sizes = torch.full((n,), block_size, dtype=x.dtype, device=x.device)
+    sizes[-1] = length - (n - 1) * block_size
+    sums = padded.view(n, block_size, *x.shape[1:]).sum(1)
+    return sums / sizes.view(-1, *([1] * (x.dim() - 1))), sizes
+
+
+def _scored_rows(layout: BatchLayout, config: SparsePrefillConfig, qb: int) -> tuple[int, int, list[int]]:
+    """Sequence, block position and the absolute query positions the search scores for query block qb."""
+    seq = int(layout.qblock_seq[qb])
+    pos = int(layout.qblock_pos[qb])
+    k_len, q_len = layout.k_lens[seq], layout.q_lens[seq]
+    block, stride = config.block_size, config.query_stride
+    rows = [
+        p
+        for p in range(pos * block + stride - 1, (pos + 1) * block, stride)
+        if k_len - q_len <= p < k_len
+    ]
+    return seq, pos, rows
+
+
+def select_blocks(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    config: SparsePrefillConfig,
+    softmax_scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> BlockIndex:
+    """Reference block-importance search; the Triton selection kernel computes the same index.
+
+    For query block i, KV head h and causal key block j the estimate is the mean over the scored
+    query rows r and the query heads g of the group of softmax_j(scale * q_rg . mean_key_j + ln n_j),
+    where n_j is the block's length: each row's attention over the blocks, with each block
+    summarised by its mean key. A block is kept when its estimate is >= threshold x the row maximum,
+    or it is a sink block, a local block, the diagonal block, or the query block is dense.
+    """
+    layout = BatchLayout.build(cu_seqlens_q, seqlens_k, config, q.device)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv = k_cache.shape[2]
+    group = num_heads // num_kv
+    scale = _default_scale(head_dim, softmax_scale)
+    n_blocks = layout.max_k_blocks
+    scores = torch.zeros(layout.total_q_blocks, num_kv, n_blocks, dtype=torch.float32, device=q.device)
+    keep = torch.zeros(layout.total_q_blocks, num_kv, n_blocks, dtype=torch.bool, device=q.device)
+    cu_q = cu_seqlens_q.tolist()
+    pooled = {}
+    for qb in range(layout.total_q_blocks):
+        seq, pos, rows = _scored_rows(layout, config, qb)
+        causal = slice(0, pos + 1)
+        if layout.qblock_dense[qb] or not rows:
+            keep[qb, :, causal] = True
+            continue
+        if seq not in pooled:
+            keys = gather_kv(k_cache, page_table, seq, layout.k_lens[seq]).to(compute_dtype)
+            pooled[seq] = pooled_blocks(keys, config.block_size)
+        mean_keys, sizes = pooled[seq]
+        prefix = layout.k_lens[seq] - layout.q_lens[seq]
+        q_rows = q[[cu_q[seq] + p - prefix for p in rows]].to(compute_dtype)  # (R, Hq, D)
+        q_rows = q_rows.view(len(rows), num_kv, group, head_dim)
+        logits = torch.einsum("rhgd,jhd->hrgj", q_rows, mean_keys[causal]) * scale
+        logits = logits + torch.log(sizes[causal])
+        estimate = torch.softmax(logits, dim=-1).mean(dim=(1, 2))  # (Hkv, pos + 1)
+        scores[qb, :, causal] = estimate.float()
+        kept = estimate >= config.threshold * estimate.amax(dim=-1, keepdim=True)
+        kept[:, : config.sink_blocks] = True
+        kept[:, max(pos - config.local_blocks, 0) :] = True
+        keep[qb, :, causal] = kept
+    index = BlockIndex.from_mask(layout, keep)
+    index.scores = scores
+    return index
+
+
+def block_masked_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    index: BlockIndex,
+    softmax_scale: float | None = None,
+    mean_correction: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention restricted to the key blocks an index keeps.
+
+    With ``mean_correction`` every pruned key block strictly before a query block (fully visible to
+    all its queries) contributes one virtual key: its mean key with logit scale * q . mean_key +
+    ln(block length), and its mean value. Returns out (total_q, Hq, D) and lse (Hq, total_q).
+    """
+    layout = index.layout
+    block = layout.block_size
+    total_q, num_heads, head_dim = q.shape
+    group = num_heads // k_cache.shape[2]
+    scale = _default_scale(head_dim, softmax_scale)
+    mask = index.to_mask().repeat_interleave(group, dim=1)  # (total_qb, Hq, n_blocks)
+    out = torch.zeros(total_q, num_heads, head_dim, dtype=compute_dtype, device=q.device)
+    lse = torch.full((num_heads, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+    for seq, start, end, k_len in _sequences(cu_seqlens_q, seqlens_k):
+        if end == start:
+            continue
+        k = gather_kv(k_cache, page_table, seq, k_len).to(compute_dtype).repeat_interleave(group, dim=1)
+        v = gather_kv(v_cache, page_table, seq, k_len).to(compute_dtype).repeat_interleave(group, dim=1)
+        prefix = k_len - (end - start)
+        q_pos = prefix + torch.arange(end - start, device=q.device)
+        key_pos = torch.arange(k_len, device=q.device)
+        qb_first = layout.seq_qblock_start[seq]
+        row_mask = mask[qb_first + q_pos // block - prefix // block]  # (Q, Hq, n_blocks)
+        key_block = key_pos // block
+        allowed = row_mask[:, :, key_block].permute(1, 0, 2) & (key_pos[None, None, :] <= q_pos[None, :, None])
+        extra_logits = extra_values = None
+        if mean_correction:
+            mean_k, sizes = pooled_blocks(k, block)
+            mean_v, _ = pooled_blocks(v, block)
+            n_blocks = mean_k.shape[0]
+            visible = torch.arange(n_blocks, device=q.device)[None, :] < (q_pos // block)[:, None]
+            pruned = visible[:, None, :] & ~row_mask[:, :, :n_blocks]  # (Q, Hq, n_blocks)
+            extra_logits = torch.einsum("qhd,jhd->hqj", q[start:end].to(compute_dtype), mean_k) * scale
+            extra_logits = extra_logits + torch.log(sizes)
+            extra_logits = extra_logits.masked_fill(~pruned.permute(1, 0, 2), float("-inf"))
+            extra_values = mean_v.transpose(0, 1)
+        o, l = _attend(q[start:end].to(compute_dtype), k, v, allowed, scale, extra_logits, extra_values)
+        out[start:end], lse[:, start:end] = o, l.float()
+    return out, lse

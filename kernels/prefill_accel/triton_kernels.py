@@ -1,0 +1,466 @@
+"""Triton kernels: key-block pooling, block selection, and block-sparse FlashAttention over a paged cache.
+
+Block geometry is described in :mod:`prefill_accel.layout`. All kernels read K and V through the
+page table one token row at a time, so any page size works (1 for SGLang, 16 for vLLM).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .config import SparsePrefillConfig
+from .layout import BatchLayout, BlockIndex
+
+LOG2E = 1.4426950408889634
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# The interpreter (triton 3.6-3.8) multiplies bf16 tl.dot operands as raw integers. Products of
+# bf16/fp16 values are exact in float32, so upcasting first computes what the tensor cores do.
+DOT_IN_FP32 = tl.constexpr(INTERPRET)
+
+
+def _attention_configs() -> list[triton.Config]:
+    """Tile shapes tried for the attention kernel; the interpreter gets the one with fewest programs."""
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm, bn, w, s in [
+            (128, 64, 8, 3),
+            (128, 128, 8, 3),
+            (128, 64, 4, 3),
+            (64, 64, 4, 3),
+            (128, 32, 4, 2),
+            (64, 32, 4, 2),
+        ]
+    ]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Drop tiles that do not divide the block or would not fit in shared memory for large heads."""
+    block, head_dim = kwargs["BLOCK"], kwargs["HEAD_DIM"]
+    kept = [
+        c
+        for c in configs
+        if block % c.kwargs["BLOCK_M"] == 0
+        and block % c.kwargs["BLOCK_N"] == 0
+        and (head_dim < 256 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64)
+    ]
+    return kept or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
+
+
+@triton.jit
+def _dot(a, b):
+    if DOT_IN_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _kv_slots(page_table_row, pos, PAGE_SIZE: tl.constexpr, mask):
+    """Page and slot of the cache rows holding token positions ``pos`` of one sequence."""
+    page = tl.load(page_table_row + pos // PAGE_SIZE, mask=mask).to(tl.int64)  # masked lanes are never read through
+    return page, (pos % PAGE_SIZE).to(tl.int64)
+
+
+@triton.jit
+def _pool_blocks_kernel(
+    cache,
+    page_table,
+    seqlens_k,
+    pooled,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    stride_pt,
+    stride_pb,
+    stride_pj,
+    stride_ph,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """pooled[b, j, h] = mean of the cache rows of key block j of sequence b, head h (float32)."""
+    j = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    k_len = tl.load(seqlens_k + b)
+    start = j * BLOCK
+    if start < k_len:
+        dims = tl.arange(0, HEAD_DIM)
+        total = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        for c in range(0, BLOCK, CHUNK):
+            pos = start + c + tl.arange(0, CHUNK)
+            valid = pos < k_len
+            page, slot = _kv_slots(page_table + b * stride_pt, pos, PAGE_SIZE, valid)
+            rows = page * stride_cp + slot * stride_cs + h * stride_ch
+            x = tl.load(cache + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+            total += tl.sum(x.to(tl.float32), axis=0)
+        count = tl.minimum(k_len - start, BLOCK)
+        tl.store(pooled + b * stride_pb + j * stride_pj + h * stride_ph + dims, total / count)
+
+
+@triton.jit
+def _select_kernel(
+    q,
+    pooled,
+    cu_seqlens_q,
+    seqlens_k,
+    qblock_seq,
+    qblock_pos,
+    qblock_dense,
+    row_stats,
+    scores,
+    counts,
+    indices,
+    stride_qt,
+    stride_qh,
+    stride_pb,
+    stride_pj,
+    stride_ph,
+    stride_sr,
+    stride_sh,
+    qk_scale,
+    threshold,
+    sink_blocks,
+    local_blocks,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STRIDE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+):
+    """One query block, one KV head: estimate each causal key block's share of attention, keep the
+    blocks at or above ``threshold`` x the largest share (plus sink, local and diagonal blocks),
+    and write their indices in ascending order. No sort: one pass finds the maximum, one compacts.
+
+    The estimate for block j averages, over the scored query rows of the block and the query heads
+    of the group, softmax_j(scale * q . mean_key_j + ln n_j). ``row_stats`` is scratch holding each
+    row's softmax maximum and normaliser between the two passes over the pooled keys.
+    """
+    qb = tl.program_id(0)
+    h = tl.program_id(1)
+    seq = tl.load(qblock_seq + qb)
+    pos = tl.load(qblock_pos + qb)
+    k_len = tl.load(seqlens_k + seq)
+    q_start = tl.load(cu_seqlens_q + seq)
+    prefix = k_len - (tl.load(cu_seqlens_q + seq + 1) - q_start)
+    n_causal = pos + 1
+    out_row = qb.to(tl.int64) * stride_sr + h * stride_sh
+
+    row_pos = pos * BLOCK + tl.arange(0, ROWS) * STRIDE + (STRIDE - 1)
+    row_valid = (row_pos >= prefix) & (row_pos < k_len)
+    n_rows = tl.sum(row_valid.to(tl.int32), axis=0)
+    dense = (tl.load(qblock_dense + qb) != 0) | (n_rows == 0)
+    cols = tl.arange(0, BLOCK_J)
+
+    if dense:
+        for j0 in range(0, n_causal, BLOCK_J):
+            tl.store(indices + out_row + j0 + cols, j0 + cols, mask=j0 + cols < n_causal)
+        tl.store(counts + qb * tl.num_programs(1) + h, n_causal)
+    else:
+        dims = tl.arange(0, HEAD_DIM)
+        q_rows = (q_start + row_pos - prefix).to(tl.int64) * stride_qt
+        pooled_seq = pooled + seq.to(tl.int64) * stride_pb + h * stride_ph
+        stats = row_stats + (qb * tl.num_programs(1) + h).to(tl.int64) * (2 * ROWS)
+        for g in range(GROUP):
+            qg = tl.load(
+                q + q_rows[:, None] + (h * GROUP + g) * stride_qh + dims[None, :],
+                mask=row_valid[:, None],
+                other=0.0,
+            )
+            row_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+            row_sum = tl.zeros([ROWS], dtype=tl.float32)
+            for j0 in range(0, n_causal, BLOCK_J):
+                j = j0 + cols
+                keys = tl.load(pooled_seq + j[:, None] * stride_pj + dims[None, :], mask=j[:, None] < n_causal, other=0.0)
+                block_len = tl.maximum(tl.minimum(k_len - j * BLOCK, BLOCK), 1).to(tl.float32)
+                logits = _dot(qg, tl.trans(keys.to(qg.dtype))) * qk_scale + tl.log2(block_len)[None, :]
+                logits = tl.where(j[None, :] < n_causal, logits, float("-inf"))
+                new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+                row_sum = row_sum * tl.exp2(row_max - new_max) + tl.sum(tl.exp2(logits - new_max[:, None]), axis=1)
+                row_max = new_max
+            tl.store(stats + tl.arange(0, ROWS), row_max)
+            tl.store(stats + ROWS + tl.arange(0, ROWS), tl.where(row_valid, 1.0 / row_sum, 0.0))
+            tl.debug_barrier()
+            row_max = tl.load(stats + tl.arange(0, ROWS))
+            inv_sum = tl.load(stats + ROWS + tl.arange(0, ROWS))
+            for j0 in range(0, n_causal, BLOCK_J):
+                j = j0 + cols
+                keys = tl.load(pooled_seq + j[:, None] * stride_pj + dims[None, :], mask=j[:, None] < n_causal, other=0.0)
+                block_len = tl.maximum(tl.minimum(k_len - j * BLOCK, BLOCK), 1).to(tl.float32)
+                logits = _dot(qg, tl.trans(keys.to(qg.dtype))) * qk_scale + tl.log2(block_len)[None, :]
+                probs = tl.exp2(logits - row_max[:, None]) * inv_sum[:, None]
+                mass = tl.sum(probs, axis=0)
+                previous = tl.load(scores + out_row + j, mask=j < n_causal, other=0.0)
+                tl.store(scores + out_row + j, previous + mass, mask=j < n_causal)
+            tl.debug_barrier()
+
+        norm = 1.0 / (n_rows * GROUP).to(tl.float32)
+        best = tl.zeros([BLOCK_J], dtype=tl.float32)
+        for j0 in range(0, n_causal, BLOCK_J):
+            j = j0 + cols
+            mass = tl.load(scores + out_row + j, mask=j < n_causal, other=0.0) * norm
+            tl.store(scores + out_row + j, mass, mask=j < n_causal)
+            best = tl.maximum(best, mass)
+        tl.debug_barrier()
+        cut = threshold * tl.max(best, axis=0)
+        kept = 0
+        for j0 in range(0, n_causal, BLOCK_J):
+            j = j0 + cols
+            mass = tl.load(scores + out_row + j, mask=j < n_causal, other=0.0)
+            keep = (j < n_causal) & ((mass >= cut) | (j < sink_blocks) | (j >= pos - local_blocks))
+            flags = keep.to(tl.int32)
+            slot = kept + tl.cumsum(flags, axis=0) - flags
+            tl.store(indices + out_row + slot, j, mask=keep)
+            kept += tl.sum(flags, axis=0)
+        tl.store(counts + qb * tl.num_programs(1) + h, kept)
+
+
+@triton.autotune(configs=_attention_configs(), key=["HEAD_DIM", "BLOCK", "DENSE", "GROUP"], prune_configs_by={"early_config_prune": _prune_configs})
+@triton.jit
+def _attention_kernel(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cu_seqlens_q,
+    seqlens_k,
+    qblock_seq,
+    qblock_pos,
+    counts,
+    indices,
+    keep_mask,
+    pooled_k,
+    pooled_v,
+    out,
+    lse,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_pt,
+    stride_ot,
+    stride_oh,
+    stride_lh,
+    stride_ir,
+    stride_ih,
+    stride_cr,
+    stride_pb,
+    stride_pj,
+    stride_ph,
+    total_q_blocks,
+    qk_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DENSE: tl.constexpr,
+    MEAN_CORRECTION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One tile of BLOCK_M queries of one query head: online-softmax attention over the kept key
+    blocks (all causal blocks when DENSE), the diagonal block masked causally, then optionally the
+    pruned fully visible blocks through their mean key and value. Writes out and natural-log lse."""
+    SUB_M: tl.constexpr = BLOCK // BLOCK_M
+    SUB_N: tl.constexpr = BLOCK // BLOCK_N
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    qb = total_q_blocks - 1 - pid // SUB_M  # heaviest (latest) query blocks first
+    sub = pid % SUB_M
+    seq = tl.load(qblock_seq + qb)
+    pos = tl.load(qblock_pos + qb)
+    k_len = tl.load(seqlens_k + seq)
+    q_start = tl.load(cu_seqlens_q + seq)
+    prefix = k_len - (tl.load(cu_seqlens_q + seq + 1) - q_start)
+
+    q_pos = pos * BLOCK + sub * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_valid = (q_pos >= prefix) & (q_pos < k_len)
+    last_row = tl.minimum(pos * BLOCK + (sub + 1) * BLOCK_M, k_len) - 1
+    if last_row >= prefix and pos * BLOCK + sub * BLOCK_M < k_len:
+        dims = tl.arange(0, HEAD_DIM)
+        cols = tl.arange(0, BLOCK_N)
+        q_rows = (q_start + q_pos - prefix).to(tl.int64)
+        q_tile = tl.load(q + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=q_valid[:, None], other=0.0)
+        pt_row = page_table + seq.to(tl.int64) * stride_pt
+        row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        index_row = qb.to(tl.int64) * stride_ir + kv_head * stride_ih
+
+        if DENSE:
+            n_tiles = pos * SUB_N
+        else:
+            n_tiles = (tl.load(counts + qb * stride_cr + kv_head) - 1) * SUB_N
+        for t in range(0, n_tiles):
+            if DENSE:
+                k_first = t * BLOCK_N
+            else:
+                block = tl.load(indices + index_row + t // SUB_N)
+                k_first = block * BLOCK + (t % SUB_N) * BLOCK_N
+            page, slot = _kv_slots(pt_row, k_first + cols, PAGE_SIZE, None)
+            keys = tl.load(k_cache + (page * stride_kp + slot * stride_ks + kv_head * stride_kh)[:, None] + dims[None, :])
+            logits = _dot(q_tile, tl.trans(keys)) * qk_scale
+            new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+            probs = tl.exp2(logits - new_max[:, None])
+            rescale = tl.exp2(row_max - new_max)
+            row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+            acc = acc * rescale[:, None]
+            values = tl.load(v_cache + (page * stride_vp + slot * stride_vs + kv_head * stride_vh)[:, None] + dims[None, :])
+            acc += _dot(probs.to(values.dtype), values)
+            row_max = new_max
+
+        for k_first in range(pos * BLOCK, last_row + 1, BLOCK_N):
+            k_pos = k_first + cols
+            k_valid = k_pos < k_len
+            page, slot = _kv_slots(pt_row, k_pos, PAGE_SIZE, k_valid)
+            keys = tl.load(
+                k_cache + (page * stride_kp + slot * stride_ks + kv_head * stride_kh)[:, None] + dims[None, :],
+                mask=k_valid[:, None],
+                other=0.0,
+            )
+            logits = _dot(q_tile, tl.trans(keys)) * qk_scale
+            logits = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :], logits, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+            probs = tl.exp2(logits - new_max[:, None])
+            rescale = tl.exp2(row_max - new_max)
+            row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+            acc = acc * rescale[:, None]
+            values = tl.load(
+                v_cache + (page * stride_vp + slot * stride_vs + kv_head * stride_vh)[:, None] + dims[None, :],
+                mask=k_valid[:, None],
+                other=0.0,
+            )
+            acc += _dot(probs.to(values.dtype), values)
+            row_max = new_max
+
+        if MEAN_CORRECTION:
+            pooled_row = seq.to(tl.int64) * stride_pb + kv_head * stride_ph
+            for j0 in range(0, pos, BLOCK_N):
+                j = j0 + cols
+                pruned = (j < pos) & (tl.load(keep_mask + index_row + j, mask=j < pos, other=1) == 0)
+                mean_k = tl.load(pooled_k + pooled_row + j[:, None] * stride_pj + dims[None, :], mask=pruned[:, None], other=0.0)
+                logits = _dot(q_tile, tl.trans(mean_k.to(q_tile.dtype))) * qk_scale + math.log2(BLOCK)
+                logits = tl.where(pruned[None, :], logits, float("-inf"))
+                new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+                probs = tl.exp2(logits - new_max[:, None])
+                rescale = tl.exp2(row_max - new_max)
+                row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+                acc = acc * rescale[:, None]
+                mean_v = tl.load(pooled_v + pooled_row + j[:, None] * stride_pj + dims[None, :], mask=pruned[:, None], other=0.0)
+                acc += _dot(probs, mean_v)
+                row_max = new_max
+
+        acc = acc / row_sum[:, None]
+        tl.store(out + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :], acc.to(out.dtype.element_ty), mask=q_valid[:, None])
+        tl.store(lse + head * stride_lh + q_rows, (row_max + tl.log2(row_sum)) / 1.4426950408889634, mask=q_valid)
+
+
+def pool_blocks(cache: torch.Tensor, page_table: torch.Tensor, seqlens_k: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+    """(batch, max_k_blocks, num_kv_heads, head_dim) float32 mean of every key (or value) block."""
+    head_dim, num_kv = cache.shape[3], cache.shape[2]
+    pooled = torch.zeros(layout.batch, max(layout.max_k_blocks, 1), num_kv, head_dim, dtype=torch.float32, device=cache.device)
+    if layout.max_k_blocks == 0:
+        return pooled
+    grid = (layout.max_k_blocks, layout.batch, num_kv)
+    _pool_blocks_kernel[grid](
+        cache, page_table, seqlens_k, pooled,
+        cache.stride(0), cache.stride(1), cache.stride(2), page_table.stride(0),
+        pooled.stride(0), pooled.stride(1), pooled.stride(2),
+        PAGE_SIZE=cache.shape[1], BLOCK=layout.block_size, HEAD_DIM=head_dim, CHUNK=min(layout.block_size, 64),
+    )
+    return pooled
+
+
+def select_blocks(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    layout: BatchLayout,
+    config: SparsePrefillConfig,
+    scale: float,
+) -> BlockIndex:
+    """Run the block search on validated, kernel-supported inputs (see :func:`prefill_accel.select_blocks`)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv = k_cache.shape[2]
+    total_qb, n_blocks = layout.total_q_blocks, max(layout.max_k_blocks, 1)
+    counts = torch.empty(total_qb, num_kv, dtype=torch.int32, device=q.device)
+    indices = torch.empty(total_qb, num_kv, n_blocks, dtype=torch.int32, device=q.device)
+    scores = torch.zeros(total_qb, num_kv, n_blocks, dtype=torch.float32, device=q.device)
+    if total_qb == 0:
+        return BlockIndex(layout=layout, counts=counts, indices=indices, scores=scores)
+    pooled = pool_blocks(k_cache, page_table, seqlens_k, layout)
+    rows = config.block_size // config.query_stride
+    row_stats = torch.empty(total_qb, num_kv, 2 * rows, dtype=torch.float32, device=q.device)
+    _select_kernel[(total_qb, num_kv)](
+        q, pooled, cu_seqlens_q, seqlens_k, layout.qblock_seq, layout.qblock_pos, layout.qblock_dense,
+        row_stats, scores, counts, indices,
+        q.stride(0), q.stride(1), pooled.stride(0), pooled.stride(1), pooled.stride(2),
+        scores.stride(0), scores.stride(1),
+        scale * LOG2E, config.threshold, config.sink_blocks, config.local_blocks,
+        GROUP=num_heads // num_kv, HEAD_DIM=head_dim, BLOCK=config.block_size, STRIDE=config.query_stride,
+        ROWS=rows, BLOCK_J=64 if head_dim <= 128 else 32,
+        num_warps=4 if INTERPRET or head_dim <= 64 else 8,
+    )
+    return BlockIndex(layout=layout, counts=counts, indices=indices, scores=scores)
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    layout: BatchLayout,
+    index: BlockIndex | None,
+    scale: float,
+    mean_correction: bool,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the kept blocks of ``index`` (every causal block when it is None)."""
+    total_q, num_heads, head_dim = q.shape
+    num_kv = k_cache.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
+    if layout.total_q_blocks == 0:
+        return out, lse
+    dense = index is None
+    placeholder = torch.zeros(1, 1, 1, dtype=torch.int32, device=q.device)
+    counts = indices = keep_mask = placeholder
+    pooled_k = pooled_v = placeholder.float().unsqueeze(0)
+    if not dense:
+        counts, indices = index.counts.contiguous(), index.indices.contiguous()
+        if mean_correction:
+            keep_mask = index.to_mask().to(torch.int8)  # same shape, so same strides, as indices
+            pooled_k = pool_blocks(k_cache, page_table, seqlens_k, layout)
+            pooled_v = pool_blocks(v_cache, page_table, seqlens_k, layout)
+    grid = lambda meta: (layout.total_q_blocks * (layout.block_size // meta["BLOCK_M"]), num_heads)  # noqa: E731
+    _attention_kernel[grid](
+        q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout.qblock_seq, layout.qblock_pos,
+        counts, indices, keep_mask, pooled_k, pooled_v, out, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0),
+        indices.stride(0), indices.stride(1), counts.stride(0),
+        pooled_k.stride(0), pooled_k.stride(1), pooled_k.stride(2),
+        layout.total_q_blocks, scale * LOG2E,
+        GROUP=num_heads // num_kv, HEAD_DIM=head_dim, BLOCK=layout.block_size, PAGE_SIZE=k_cache.shape[1],
+        DENSE=dense, MEAN_CORRECTION=mean_correction and not dense,
+    )
+    return out, lse

@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""Check and time prefill-accel's kernels against dense attention on one CUDA GPU, in one process.
+
+For each length: dense cuDNN SDPA, dense FlashAttention-2 SDPA, our kernel in dense mode
+(threshold 0) and our full sparse path (selection + attention) at controlled densities, plus
+real Q/K/V files when given. Prints a Markdown table and writes JSON.
+
+  python scripts/bench_kernels.py --lengths 8192,32768,131072 --densities 0.02,0.05,0.1,0.25 --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+
+from prefill_accel import SparsePrefillConfig, block_sparse_attention, select_blocks, sparse_prefill_attention  # noqa: E402
+from prefill_accel import reference  # noqa: E402
+
+
+def cuda_time(fn, repeats: int, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` runs, timed with CUDA events after warm-up."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def causal_flops(q_len: int, k_len: int, heads: int, head_dim: int) -> float:
+    """Matmul FLOPs of causal attention (QK^T and PV) for queries at the end of k_len keys."""
+    prefix = k_len - q_len
+    pairs = q_len * prefix + q_len * (q_len + 1) / 2
+    return 4.0 * pairs * heads * head_dim
+
+
+def paged(k: torch.Tensor, v: torch.Tensor, page_size: int):
+    """A shuffled paged cache (num_pages, page_size, Hkv, D) holding one sequence's K and V."""
+    length, num_kv, head_dim = k.shape
+    n_pages = -(-length // page_size)
+    order = torch.randperm(n_pages, device=k.device)
+    k_cache = torch.empty(n_pages, page_size, num_kv, head_dim, dtype=k.dtype, device=k.device)
+    v_cache = torch.empty_like(k_cache)
+    padded = n_pages * page_size
+    kp = F.pad(k, (0, 0, 0, 0, 0, padded - length)).view(n_pages, page_size, num_kv, head_dim)
+    vp = F.pad(v, (0, 0, 0, 0, 0, padded - length)).view(n_pages, page_size, num_kv, head_dim)
+    k_cache[order], v_cache[order] = kp, vp
+    return k_cache, v_cache, order.to(torch.int32).view(1, -1)
+
+
+def structured_qkv(length: int, heads: int, num_kv: int, head_dim: int, block: int, dtype, seed: int):
+    """Random Q/K/V where key blocks differ in relevance, so a search has something to find: every
+    key block gets a random offset along a direction the queries share (log-normal strengths)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(length, heads, head_dim, device="cuda", generator=gen)
+    k = torch.randn(length, num_kv, head_dim, device="cuda", generator=gen)
+    v = torch.randn(length, num_kv, head_dim, device="cuda", generator=gen)
+    direction = F.normalize(torch.randn(num_kv, head_dim, device="cuda", generator=gen), dim=-1)
+    n_blocks = -(-length // block)
+    strength = torch.randn(n_blocks, num_kv, 1, device="cuda", generator=gen).mul(1.5).exp()
+    k += (strength.repeat_interleave(block, 0)[:length] * direction) * 2.0
+    q += direction.repeat_interleave(heads // num_kv, 0) * 2.0
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def sdpa(q, k, v, backend):
+    """Causal SDPA on (L, H, D) tensors with GQA expanded, as a serving engine's dense baseline."""
+    group = q.shape[1] // k.shape[1]
+    qt = q.transpose(0, 1).unsqueeze(0)
+    kt = k.repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0)
+    vt = v.repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0)
+
+    def run():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+    return run
+
+
+def threshold_for_density(args, target: float, base: SparsePrefillConfig) -> tuple[float, float]:
+    """Bisect the threshold until the searched index keeps about ``target`` of the causal blocks."""
+    low, high = 0.0, 1.0
+    best = (0.0, 1.0)
+    for _ in range(22):
+        mid = (low + high) / 2
+        density = select_blocks(*args, config=base.replace(threshold=mid)).density()
+        best = (mid, density)
+        if abs(density - target) < 0.1 * target:
+            break
+        if density > target:
+            low = mid
+        else:
+            high = mid
+    return best
+
+
+def check_correctness(dtypes, head_dims, page_sizes) -> list[str]:
+    """Fresh random inputs vs the float32 reference, with a poisoned output buffer."""
+    lines = []
+    for dtype in dtypes:
+        for head_dim in head_dims:
+            for page_size in page_sizes:
+                q_lens, k_lens = [3000, 1000, 517], [3000, 5000, 2600]
+                heads, num_kv = 8, 2
+                q = torch.randn(sum(q_lens), heads, head_dim, device="cuda", dtype=dtype)
+                caches, tables = [], []
+                n_pages = sum(-(-k // page_size) for k in k_lens)
+                k_cache = torch.randn(n_pages, page_size, num_kv, head_dim, device="cuda", dtype=dtype)
+                v_cache = torch.randn_like(k_cache)
+                perm = torch.randperm(n_pages, device="cuda").to(torch.int32)
+                table = torch.zeros(len(k_lens), max(-(-k // page_size) for k in k_lens), dtype=torch.int32, device="cuda")
+                used = 0
+                for i, k_len in enumerate(k_lens):
+                    n = -(-k_len // page_size)
+                    table[i, :n] = perm[used : used + n]
+                    used += n
+                cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                seqlens = torch.tensor(k_lens, dtype=torch.int32, device="cuda")
+                args = (q, k_cache, v_cache, table, cu, seqlens)
+                ref_out, ref_lse = reference.dense_paged_attention(*args)
+                for threshold in (0.0, 0.05):
+                    config = SparsePrefillConfig(threshold=threshold, min_q_len=0)
+                    out = torch.full_like(q, float("nan"))
+                    got, lse = sparse_prefill_attention(*args, config=config, out=out)
+                    if threshold == 0:
+                        target, target_lse = ref_out, ref_lse
+                    else:
+                        index = select_blocks(q, k_cache, table, cu, seqlens, config=config)
+                        target, target_lse = reference.block_masked_attention(*args, index)
+                    err = ((got.float() - target).norm() / target.norm()).item()
+                    lse_err = (lse - target_lse).abs().max().item()
+                    ok = torch.isfinite(got).all().item() and err < 2e-2 and lse_err < 1e-2
+                    lines.append(
+                        f"{'ok ' if ok else 'BAD'} {str(dtype):15s} d={head_dim:3d} page={page_size:2d} th={threshold}: "
+                        f"rel_err={err:.2e} lse_err={lse_err:.1e}"
+                    )
+    return lines
+
+
+def bench_length(length, args, results):
+    heads, num_kv, head_dim = args.heads, args.kv_heads, args.head_dim
+    dtype = torch.bfloat16
+    q, k, v = structured_qkv(length, heads, num_kv, head_dim, 128, dtype, seed=length)
+    k_cache, v_cache, table = paged(k, v, args.page_size)
+    cu = torch.tensor([0, length], dtype=torch.int32, device="cuda")
+    seqlens = torch.tensor([length], dtype=torch.int32, device="cuda")
+    kernel_args = (q, k_cache, v_cache, table, cu, seqlens)
+    flops = causal_flops(length, length, heads, head_dim)
+    reps = args.repeats if length <= 65536 else max(3, args.repeats // 2)
+    row = {"length": length}
+    row["cudnn_ms"] = cuda_time(sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION), reps)
+    row["fa2_ms"] = cuda_time(sdpa(q, k, v, SDPBackend.FLASH_ATTENTION), reps)
+    dense_cfg = SparsePrefillConfig(threshold=0.0)
+    out = torch.empty_like(q)
+    row["ours_dense_ms"] = cuda_time(lambda: sparse_prefill_attention(*kernel_args, config=dense_cfg, out=out), reps)
+    dense_out = sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION)()[0].transpose(0, 1).float()
+    ours_dense, _ = sparse_prefill_attention(*kernel_args, config=dense_cfg)
+    row["ours_dense_err"] = ((ours_dense.float() - dense_out).norm() / dense_out.norm()).item()
+    for name in ("cudnn", "fa2", "ours_dense"):
+        row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
+    row["sparse"] = []
+    base = SparsePrefillConfig(min_q_len=0)
+    select_args = (q, k_cache, table, cu, seqlens)
+    for target in args.densities:
+        threshold, density = threshold_for_density(select_args, target, base)
+        config = base.replace(threshold=threshold)
+        total = cuda_time(lambda: sparse_prefill_attention(*kernel_args, config=config, out=out), reps)
+        select = cuda_time(lambda: select_blocks(*select_args, config=config), reps)
+        index = select_blocks(*select_args, config=config)
+        attend = cuda_time(lambda: block_sparse_attention(*kernel_args, index, out=out), reps)
+        sparse_out, _ = sparse_prefill_attention(*kernel_args, config=config)
+        err = ((sparse_out.float() - dense_out).norm() / dense_out.norm()).item()
+        row["sparse"].append(
+            dict(target=target, threshold=threshold, density=density, total_ms=total, select_ms=select,
+                 attention_ms=attend, rel_err=err, speedup_cudnn=row["cudnn_ms"] / total, speedup_fa2=row["fa2_ms"] / total)
+        )
+    results.append(row)
+    del q, k, v, k_cache, v_cache, dense_out, ours_dense, out
+    torch.cuda.empty_cache()
+    return row
+
+
+def bench_real(path: Path, config: SparsePrefillConfig, repeats: int, page_size: int) -> dict:
+    """Time and check one captured layer: a .pt file holding q (L, Hq, D), k and v (L, Hkv, D)."""
+    data = torch.load(path, map_location="cuda")
+    q, k, v = (data[name].to(torch.bfloat16).contiguous() for name in ("q", "k", "v"))
+    length, heads, head_dim = q.shape
+    k_cache, v_cache, table = paged(k, v, page_size)
+    cu = torch.tensor([0, length], dtype=torch.int32, device="cuda")
+    seqlens = torch.tensor([length], dtype=torch.int32, device="cuda")
+    kernel_args = (q, k_cache, v_cache, table, cu, seqlens)
+    scale = data.get("scale")
+    dense_out, _ = reference.dense_paged_attention(*kernel_args, softmax_scale=scale)
+    out = torch.empty_like(q)
+    cfg = config.replace(min_q_len=0)
+    row = dict(file=path.name, length=length, heads=heads, kv_heads=k.shape[1], head_dim=head_dim)
+    row["cudnn_ms"] = cuda_time(sdpa(q * 1.0, k, v, SDPBackend.CUDNN_ATTENTION), repeats) if head_dim <= 128 else float("nan")
+    row["fa2_ms"] = cuda_time(sdpa(q, k, v, SDPBackend.FLASH_ATTENTION), repeats)
+    row["total_ms"] = cuda_time(lambda: sparse_prefill_attention(*kernel_args, config=cfg, softmax_scale=scale, out=out), repeats)
+    row["select_ms"] = cuda_time(lambda: select_blocks(q, k_cache, table, cu, seqlens, config=cfg, softmax_scale=scale), repeats)
+    got, _ = sparse_prefill_attention(*kernel_args, config=cfg, softmax_scale=scale)
+    row["density"] = select_blocks(q, k_cache, table, cu, seqlens, config=cfg, softmax_scale=scale).density()
+    row["rel_err"] = ((got.float() - dense_out).norm() / dense_out.norm()).item()
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="8192,32768,131072")
+    parser.add_argument("--densities", default="0.02,0.05,0.1,0.25")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--real", nargs="*", default=[], help="captured q/k/v .pt files to time and check")
+    parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    args.densities = [float(x) for x in args.densities.split(",")]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d')}", flush=True)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    if not args.skip_check:
+        lines = check_correctness((torch.bfloat16, torch.float16), (64, 128, 256), (1, 16))
+        print("\n".join(lines), flush=True)
+        report["correctness"] = lines
+    results = []
+    for length in (int(x) for x in args.lengths.split(",")):
+        t0 = time.time()
+        row = bench_length(length, args, results)
+        print(json.dumps(row), f"# {time.time() - t0:.0f}s", flush=True)
+    report["random"] = results
+    report["real"] = [bench_real(Path(p), SparsePrefillConfig(), args.repeats, args.page_size) for p in args.real]
+    for row in report["real"]:
+        print(json.dumps(row), flush=True)
+    print("\n| N | cuDNN ms (TFLOP/s) | FA2 ms (TFLOP/s) | ours dense ms (TFLOP/s, % cuDNN) | density | sparse ms | select ms | vs cuDNN | vs FA2 | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in results:
+        head = (
+            f"| {row['length'] // 1024}K | {row['cudnn_ms']:.2f} ({row['cudnn_tflops']:.0f}) | {row['fa2_ms']:.2f} ({row['fa2_tflops']:.0f}) "
+            f"| {row['ours_dense_ms']:.2f} ({row['ours_dense_tflops']:.0f}, {100 * row['cudnn_ms'] / row['ours_dense_ms']:.0f}%) "
+        )
+        for s in row["sparse"]:
+            print(
+                head + f"| {100 * s['density']:.1f}% | {s['total_ms']:.2f} | {s['select_ms']:.2f} "
+                f"| {s['speedup_cudnn']:.1f}x | {s['speedup_fa2']:.1f}x | {s['rel_err']:.1e} |"
+            )
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

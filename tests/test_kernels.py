@@ -1,0 +1,217 @@
+"""Triton kernels against the PyTorch references, on fresh random inputs (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_inputs import make_batch, rel_err
+from prefill_accel import (
+    BlockIndex,
+    SparsePrefillConfig,
+    block_sparse_attention,
+    select_blocks,
+    sparse_prefill_attention,
+)
+from prefill_accel import reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
+# A fresh prefill, a continuation chunk starting mid-block, and a short chunk with a long prefix.
+MIXED = dict(q_lens=[200, 70, 33], k_lens=[200, 300, 161])
+
+
+def sparse_config(**changes) -> SparsePrefillConfig:
+    base = SparsePrefillConfig(block_size=64, threshold=0.5, min_q_len=0, sink_blocks=0, local_blocks=0, last_query_blocks=0)
+    return base.replace(**changes)
+
+
+def poisoned_out(q: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(q, float("nan"))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa4", "gqa8"])
+def test_threshold_zero_is_dense_attention(page_size, dtype, heads):
+    batch = make_batch(**MIXED, num_heads=heads[0], num_kv_heads=heads[1], page_size=page_size, dtype=dtype, device=DEVICE)
+    out, lse = sparse_prefill_attention(*batch.args, config=sparse_config(threshold=0.0), out=poisoned_out(batch.q))
+    want, want_lse = reference.dense_paged_attention(*batch.args)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all(), "every output row and lse must be written"
+    assert rel_err(out, want) < TOL[dtype]
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_head_dims(head_dim):
+    batch = make_batch([130, 64], [130, 300], num_heads=4, num_kv_heads=2, head_dim=head_dim, device=DEVICE)
+    config = sparse_config()
+    index = select_blocks(*batch.search_args, config=config)
+    out, lse = sparse_prefill_attention(*batch.args, config=config, out=poisoned_out(batch.q))
+    want, want_lse = reference.block_masked_attention(*batch.args, index)
+    assert rel_err(out, want) < TOL[torch.float16]
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa4", "gqa8"])
+def test_sparse_equals_masked_reference_under_own_index(page_size, dtype, heads):
+    batch = make_batch(**MIXED, num_heads=heads[0], num_kv_heads=heads[1], page_size=page_size, dtype=dtype, device=DEVICE)
+    config = sparse_config()
+    index = select_blocks(*batch.search_args, config=config)
+    assert index.density() < 0.9, "structured inputs should leave blocks to prune"
+    out, lse = sparse_prefill_attention(*batch.args, config=config, out=poisoned_out(batch.q))
+    want, want_lse = reference.block_masked_attention(*batch.args, index)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert rel_err(out, want) < TOL[dtype]
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
+    dense, _ = reference.dense_paged_attention(*batch.args)
+    assert rel_err(want, dense) > 1e-3, "pruning must change the output on these inputs"
+
+
+def test_selection_matches_reference_search():
+    batch = make_batch(**MIXED, num_heads=8, num_kv_heads=2, dtype=torch.float16, device=DEVICE)
+    for config in (sparse_config(), sparse_config(threshold=0.05, query_stride=4, sink_blocks=1, local_blocks=1)):
+        got = select_blocks(*batch.search_args, config=config)
+        want = reference.select_blocks(*batch.search_args, config=config)
+        torch.testing.assert_close(got.scores, want.scores, atol=2e-3, rtol=2e-2)
+        got_mask, want_mask = got.to_mask(), want.to_mask()
+        # Decisions may differ only where the estimate sits at the cut within rounding.
+        best = want.scores.amax(-1, keepdim=True)
+        clear = (want.scores - config.threshold * best).abs() > 5e-3
+        assert torch.equal(got_mask[clear], want_mask[clear])
+        assert torch.equal(got.counts, got_mask.sum(-1).int())
+
+
+def test_scores_are_shares_of_attention():
+    batch = make_batch(**MIXED, device=DEVICE)
+    index = select_blocks(*batch.search_args, config=sparse_config())
+    searched = index.layout.qblock_dense == 0
+    sums = index.scores.sum(-1)[searched.to(index.scores.device)]
+    torch.testing.assert_close(sums, torch.ones_like(sums), atol=1e-3, rtol=0)
+
+
+def test_forced_blocks_are_always_kept():
+    batch = make_batch([400, 150], [400, 520], device=DEVICE)
+    config = sparse_config(threshold=1.0, sink_blocks=2, local_blocks=1, last_query_blocks=2)
+    index = select_blocks(*batch.search_args, config=config)
+    mask = index.to_mask()
+    layout = index.layout
+    for qb in range(layout.total_q_blocks):
+        pos = int(layout.qblock_pos[qb])
+        seq = int(layout.qblock_seq[qb])
+        row = mask[qb]
+        assert row[:, : min(2, pos + 1)].all(), "sink blocks"
+        assert row[:, max(pos - 1, 0) : pos + 1].all(), "local window and diagonal"
+        assert not row[:, pos + 1 :].any(), "nothing beyond the diagonal"
+        last = -(-layout.k_lens[seq] // 64)
+        if pos >= last - 2:
+            assert row[:, : pos + 1].all(), "last query blocks are dense"
+    assert index.density() < 1.0
+
+
+def test_short_sequences_are_dense():
+    batch = make_batch([300, 100], [300, 100], device=DEVICE)
+    config = sparse_config(threshold=1.0, min_q_len=128)
+    index = select_blocks(*batch.search_args, config=config)
+    layout = index.layout
+    short = layout.qblock_seq.cpu() == 1
+    assert index.to_mask()[short.to(index.counts.device)].sum() == int((layout.qblock_pos[short].long() + 1).sum()) * 2
+    out, _ = sparse_prefill_attention(*batch.args, config=config)
+    want, _ = reference.dense_paged_attention(*batch.args)
+    assert rel_err(out[300:], want[300:]) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("query_stride", [1, 4])
+def test_mean_correction_matches_reference(query_stride):
+    batch = make_batch(**MIXED, num_heads=4, num_kv_heads=2, device=DEVICE)
+    config = sparse_config(mean_correction=True, query_stride=query_stride)
+    index = select_blocks(*batch.search_args, config=config)
+    out, lse = sparse_prefill_attention(*batch.args, config=config, out=poisoned_out(batch.q))
+    want, want_lse = reference.block_masked_attention(*batch.args, index, mean_correction=True)
+    plain, _ = reference.block_masked_attention(*batch.args, index)
+    assert rel_err(out, want) < TOL[torch.float16]
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
+    assert rel_err(want, plain) > 1e-3, "the correction must contribute on these inputs"
+
+
+def test_index_reuse_and_from_mask():
+    batch = make_batch(**MIXED, device=DEVICE)
+    config = sparse_config()
+    index = select_blocks(*batch.search_args, config=config)
+    rebuilt = BlockIndex.from_mask(index.layout, index.to_mask())
+    assert torch.equal(rebuilt.to_mask(), index.to_mask())
+    a, lse_a = sparse_prefill_attention(*batch.args, config=config)
+    b, lse_b = block_sparse_attention(*batch.args, rebuilt)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(lse_a, lse_b)
+
+
+def test_preallocated_out_is_used_and_layouts_checked():
+    batch = make_batch(**MIXED, device=DEVICE)
+    out = poisoned_out(batch.q)
+    got, _ = sparse_prefill_attention(*batch.args, config=sparse_config(), out=out)
+    assert got.data_ptr() == out.data_ptr()
+    other = make_batch([64], [64], device=DEVICE)
+    index = select_blocks(*other.search_args, config=sparse_config())
+    with pytest.raises(ValueError, match="another batch layout"):
+        block_sparse_attention(*batch.args, index)
+
+
+def test_unsupported_inputs_fall_back_to_dense_with_one_warning():
+    batch = make_batch([96], [160], head_dim=64, dtype=torch.float32, device=DEVICE)
+    from prefill_accel import api
+
+    api._warned.clear()
+    with pytest.warns(RuntimeWarning, match="dense PyTorch path"):
+        out, lse = sparse_prefill_attention(*batch.args, config=sparse_config(threshold=1.0))
+    want, want_lse = reference.dense_paged_attention(*batch.args)
+    torch.testing.assert_close(out, want.to(out.dtype), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sparse_prefill_attention(*batch.args, config=sparse_config(threshold=1.0))  # no second warning
+
+
+def test_odd_head_dim_falls_back():
+    batch = make_batch([80], [80], head_dim=96, device=DEVICE)
+    with pytest.warns(RuntimeWarning, match="head_dim 96"):
+        out, _ = sparse_prefill_attention(*batch.args, config=sparse_config())
+    want, _ = reference.dense_paged_attention(*batch.args)
+    assert rel_err(out, want) < TOL[torch.float16]
+
+
+def test_bad_inputs_raise_clear_errors():
+    batch = make_batch([64], [64], device=DEVICE)
+    q, k, v, table, cu, lens = batch.args
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        sparse_prefill_attention(q[:, :3], k, v, table, cu, lens)
+    with pytest.raises(ValueError, match="query length"):
+        sparse_prefill_attention(q, k, v, table, cu, lens - 10)
+    with pytest.raises(ValueError, match="page_table has"):
+        sparse_prefill_attention(q, k, v, table[:, :1], cu, lens + 64)
+    with pytest.raises(ValueError, match="out must match q"):
+        sparse_prefill_attention(q, k, v, table, cu, lens, out=torch.empty(1))
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        sparse_prefill_attention(q, k, v, table, cu + 1, lens)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(block_size=100), "block_size"),
+        (dict(threshold=1.5), "threshold"),
+        (dict(threshold="0.1"), "threshold"),
+        (dict(sink_blocks=-1), "sink_blocks"),
+        (dict(query_stride=3), "query_stride"),
+        (dict(block_size=64, query_stride=8), "fewer than 16"),
+        (dict(mean_correction=1), "bool"),
+        (dict(min_q_len=1.5), "int"),
+    ],
+)
+def test_config_validation(changes, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        SparsePrefillConfig(**changes)
