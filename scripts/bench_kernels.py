@@ -175,7 +175,7 @@ def bench_length(length, args, results):
     for name in ("cudnn", "fa2", "ours_dense"):
         row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
     row["sparse"] = []
-    base = SparsePrefillConfig(min_q_len=0)
+    base = SparsePrefillConfig(min_q_len=0, query_stride=args.query_stride)
     select_args = (q, k_cache, table, cu, seqlens)
     for target in args.densities:
         threshold, density = threshold_for_density(select_args, target, base)
@@ -229,6 +229,7 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--query-stride", type=int, default=SparsePrefillConfig().query_stride)
     parser.add_argument("--real", nargs="*", default=[], help="captured q/k/v .pt files to time and check")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--out", type=Path)

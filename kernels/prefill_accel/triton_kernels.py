@@ -134,6 +134,7 @@ def _select_kernel(
     BLOCK: tl.constexpr,
     STRIDE: tl.constexpr,
     ROWS: tl.constexpr,
+    ROW_CHUNK: tl.constexpr,
     BLOCK_J: tl.constexpr,
 ):
     """One query block, one KV head: estimate each causal key block's share of attention, keep the
@@ -166,38 +167,38 @@ def _select_kernel(
         tl.store(counts + qb * tl.num_programs(1) + h, n_causal)
     else:
         dims = tl.arange(0, HEAD_DIM)
-        q_rows = (q_start + row_pos - prefix).to(tl.int64) * stride_qt
         pooled_seq = pooled + seq.to(tl.int64) * stride_pb + h * stride_ph
-        stats = row_stats + (qb * tl.num_programs(1) + h).to(tl.int64) * (2 * ROWS)
-        for g in range(GROUP):
-            qg = tl.load(
-                q + q_rows[:, None] + (h * GROUP + g) * stride_qh + dims[None, :],
-                mask=row_valid[:, None],
-                other=0.0,
-            )
-            row_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-            row_sum = tl.zeros([ROWS], dtype=tl.float32)
+        stats = row_stats + (qb * tl.num_programs(1) + h).to(tl.int64) * (2 * ROW_CHUNK)
+        # The scored rows of all query heads of the group, flattened (head-major) and taken
+        # ROW_CHUNK at a time, so one pooled-key tile serves every head of the group.
+        for c in range(0, GROUP * ROWS, ROW_CHUNK):
+            flat = c + tl.arange(0, ROW_CHUNK)
+            chunk_pos = pos * BLOCK + (flat % ROWS) * STRIDE + (STRIDE - 1)
+            chunk_valid = (flat < GROUP * ROWS) & (chunk_pos >= prefix) & (chunk_pos < k_len)
+            q_offsets = (q_start + chunk_pos - prefix).to(tl.int64) * stride_qt + (h * GROUP + flat // ROWS) * stride_qh
+            q_chunk = tl.load(q + q_offsets[:, None] + dims[None, :], mask=chunk_valid[:, None], other=0.0)
+            row_max = tl.full([ROW_CHUNK], float("-inf"), dtype=tl.float32)
+            row_sum = tl.zeros([ROW_CHUNK], dtype=tl.float32)
             for j0 in range(0, n_causal, BLOCK_J):
                 j = j0 + cols
                 keys = tl.load(pooled_seq + j[:, None] * stride_pj + dims[None, :], mask=j[:, None] < n_causal, other=0.0)
                 block_len = tl.maximum(tl.minimum(k_len - j * BLOCK, BLOCK), 1).to(tl.float32)
-                logits = _dot(qg, tl.trans(keys.to(qg.dtype))) * qk_scale + tl.log2(block_len)[None, :]
+                logits = _dot(q_chunk, tl.trans(keys.to(q_chunk.dtype))) * qk_scale + tl.log2(block_len)[None, :]
                 logits = tl.where(j[None, :] < n_causal, logits, float("-inf"))
                 new_max = tl.maximum(row_max, tl.max(logits, axis=1))
                 row_sum = row_sum * tl.exp2(row_max - new_max) + tl.sum(tl.exp2(logits - new_max[:, None]), axis=1)
                 row_max = new_max
-            tl.store(stats + tl.arange(0, ROWS), row_max)
-            tl.store(stats + ROWS + tl.arange(0, ROWS), tl.where(row_valid, 1.0 / row_sum, 0.0))
+            tl.store(stats + tl.arange(0, ROW_CHUNK), row_max)
+            tl.store(stats + ROW_CHUNK + tl.arange(0, ROW_CHUNK), tl.where(chunk_valid, 1.0 / row_sum, 0.0))
             tl.debug_barrier()
-            row_max = tl.load(stats + tl.arange(0, ROWS))
-            inv_sum = tl.load(stats + ROWS + tl.arange(0, ROWS))
+            row_max = tl.load(stats + tl.arange(0, ROW_CHUNK))
+            inv_sum = tl.load(stats + ROW_CHUNK + tl.arange(0, ROW_CHUNK))
             for j0 in range(0, n_causal, BLOCK_J):
                 j = j0 + cols
                 keys = tl.load(pooled_seq + j[:, None] * stride_pj + dims[None, :], mask=j[:, None] < n_causal, other=0.0)
                 block_len = tl.maximum(tl.minimum(k_len - j * BLOCK, BLOCK), 1).to(tl.float32)
-                logits = _dot(qg, tl.trans(keys.to(qg.dtype))) * qk_scale + tl.log2(block_len)[None, :]
-                probs = tl.exp2(logits - row_max[:, None]) * inv_sum[:, None]
-                mass = tl.sum(probs, axis=0)
+                logits = _dot(q_chunk, tl.trans(keys.to(q_chunk.dtype))) * qk_scale + tl.log2(block_len)[None, :]
+                mass = tl.sum(tl.exp2(logits - row_max[:, None]) * inv_sum[:, None], axis=0)
                 previous = tl.load(scores + out_row + j, mask=j < n_causal, other=0.0)
                 tl.store(scores + out_row + j, previous + mass, mask=j < n_causal)
             tl.debug_barrier()
@@ -275,11 +276,14 @@ def _attention_kernel(
     pruned fully visible blocks through their mean key and value. Writes out and natural-log lse."""
     SUB_M: tl.constexpr = BLOCK // BLOCK_M
     SUB_N: tl.constexpr = BLOCK // BLOCK_N
-    pid = tl.program_id(0)
-    head = tl.program_id(1)
+    # Query heads vary fastest across programs, so the heads of a KV group run side by side and
+    # read the same K/V tiles from L2; the heaviest (latest) query blocks start first.
+    num_heads = tl.num_programs(0) // (total_q_blocks * SUB_M)
+    head = tl.program_id(0) % num_heads
+    tile = tl.program_id(0) // num_heads
     kv_head = head // GROUP
-    qb = total_q_blocks - 1 - pid // SUB_M  # heaviest (latest) query blocks first
-    sub = pid % SUB_M
+    qb = total_q_blocks - 1 - tile // SUB_M
+    sub = tile % SUB_M
     seq = tl.load(qblock_seq + qb)
     pos = tl.load(qblock_pos + qb)
     k_len = tl.load(seqlens_k + seq)
@@ -405,15 +409,17 @@ def select_blocks(
         return BlockIndex(layout=layout, counts=counts, indices=indices, scores=scores)
     pooled = pool_blocks(k_cache, page_table, seqlens_k, layout)
     rows = config.block_size // config.query_stride
-    row_stats = torch.empty(total_qb, num_kv, 2 * rows, dtype=torch.float32, device=q.device)
+    group = num_heads // num_kv
+    row_chunk = min(128, triton.next_power_of_2(group * rows))
+    row_stats = torch.empty(total_qb, num_kv, 2 * row_chunk, dtype=torch.float32, device=q.device)
     _select_kernel[(total_qb, num_kv)](
         q, pooled, cu_seqlens_q, seqlens_k, layout.qblock_seq, layout.qblock_pos, layout.qblock_dense,
         row_stats, scores, counts, indices,
         q.stride(0), q.stride(1), pooled.stride(0), pooled.stride(1), pooled.stride(2),
         scores.stride(0), scores.stride(1),
         scale * LOG2E, config.threshold, config.sink_blocks, config.local_blocks,
-        GROUP=num_heads // num_kv, HEAD_DIM=head_dim, BLOCK=config.block_size, STRIDE=config.query_stride,
-        ROWS=rows, BLOCK_J=64 if head_dim <= 128 else 32,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK=config.block_size, STRIDE=config.query_stride,
+        ROWS=rows, ROW_CHUNK=row_chunk, BLOCK_J=64 if head_dim <= 128 else 32,
         num_warps=4 if INTERPRET or head_dim <= 64 else 8,
     )
     return BlockIndex(layout=layout, counts=counts, indices=indices, scores=scores)
@@ -450,7 +456,7 @@ def block_sparse_attention(
             keep_mask = index.to_mask().to(torch.int8)  # same shape, so same strides, as indices
             pooled_k = pool_blocks(k_cache, page_table, seqlens_k, layout)
             pooled_v = pool_blocks(v_cache, page_table, seqlens_k, layout)
-    grid = lambda meta: (layout.total_q_blocks * (layout.block_size // meta["BLOCK_M"]), num_heads)  # noqa: E731
+    grid = lambda meta: (layout.total_q_blocks * (layout.block_size // meta["BLOCK_M"]) * num_heads,)  # noqa: E731
     _attention_kernel[grid](
         q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout.qblock_seq, layout.qblock_pos,
         counts, indices, keep_mask, pooled_k, pooled_v, out, lse,

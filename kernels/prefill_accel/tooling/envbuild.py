@@ -1,0 +1,96 @@
+"""`prefill-accel build`: the patched engine as a Docker image, or as a virtualenv where Docker is absent.
+
+Both paths end in the same install step, scripts/install-into-env.sh (-> `prefill-accel install`):
+  image  docker/Dockerfile.<engine>, FROM the target's official image, runs the script inside it
+  venv   a fresh virtualenv with the pinned engine wheel installed --no-deps, the pinned CPU import/test
+         dependencies (docker/requirements/), the target's CPU-breaking files removed, then the script
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from . import gitutil, registry
+from .errors import ToolingError, UsageError
+from .overlay import overlay_files
+from .progress import Progress
+from .series import Series, content_hash
+from .targets import Target
+
+INSTALL_SCRIPT = Path("scripts") / "install-into-env.sh"
+
+
+def docker_available() -> bool:
+    """True when a Docker engine answers (a client alone is not enough)."""
+    if not shutil.which("docker"):
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def series_hash(target: Target, root: Path) -> str:
+    return content_hash(Series(target.patch_dir(root)), overlay_files(target, root))
+
+
+def docker_build_command(target: Target, root: Path) -> list[str]:
+    labels = {
+        "org.opencontainers.image.title": f"prefill-accel {target.engine}",
+        "org.opencontainers.image.version": f"{target.version}-pa{target.series_version}",
+        "org.opencontainers.image.revision": gitutil.source_commit(root),
+        "org.opencontainers.image.base.name": target.base_image,
+        "io.prefill-accel.target": target.name,
+        "io.prefill-accel.series-hash": series_hash(target, root),
+    }
+    cmd = ["docker", "build", "-f", str(root / "docker" / f"Dockerfile.{target.engine}"),
+           "--build-arg", f"BASE_IMAGE={target.base_image}", "--build-arg", f"TARGET={target.name}",
+           "--build-arg", f"PREFILL_ACCEL_COMMIT={labels['org.opencontainers.image.revision']}",
+           "-t", target.image]
+    for key, value in labels.items():
+        cmd += ["--label", f"{key}={value}"]
+    return [*cmd, str(root)]
+
+
+def build_image(target: Target, root: Path, progress: Progress) -> str:
+    cmd = docker_build_command(target, root)
+    with progress.step(f"docker build {target.image} FROM {target.base_image}"):
+        if subprocess.run(cmd).returncode != 0:
+            raise ToolingError(f"docker build of {target.image} failed")
+    return target.image
+
+
+def build_venv(target: Target, root: Path, venv: Path, progress: Progress) -> Path:
+    """A virtualenv holding the patched engine; returns its python."""
+    if venv.exists() and any(venv.iterdir()):
+        raise UsageError(f"{venv} exists and is not empty; pass a new directory to --venv")
+    requirements = root / target.venv_requirements
+    if not requirements.is_file():
+        raise UsageError(f"{target.name}: no venv requirements file {requirements}")
+    python = str(venv / "bin" / "python")
+    with progress.step(f"Creating virtualenv {venv}"):
+        _run([sys.executable, "-m", "venv", str(venv)])
+    with progress.step(f"Installing pinned CPU dependencies ({requirements.name})"):
+        _run([python, "-m", "pip", "install", "-q", "--no-deps", "-r", str(requirements)])
+    wheel = registry.fetch_file(target.engine, target.wheel, target.wheel_sha256, root, progress)
+    with progress.step(f"Installing {wheel.name} (--no-deps)"):
+        _run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)])
+    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
+    for rel in target.venv_remove:
+        (site / rel).unlink(missing_ok=True)
+    with progress.step(f"Running {INSTALL_SCRIPT} (the image's install step)"):
+        env = dict(os.environ, PREFILL_ACCEL_TOOL_PYTHON=sys.executable)
+        _run(["bash", str(root / INSTALL_SCRIPT), target.name, "--python", python], env=env)
+    return Path(python)
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        output = (proc.stdout + proc.stderr).strip()
+        raise ToolingError(f"{' '.join(cmd[:6])} ... failed (exit {proc.returncode}):\n{output[-3000:]}")
+    return proc.stdout
