@@ -72,14 +72,21 @@ def test_sparse_equals_masked_reference_under_own_index(page_size, dtype, heads)
 
 def test_selection_matches_reference_search():
     batch = make_batch(**MIXED, num_heads=8, num_kv_heads=2, dtype=torch.float16, device=DEVICE)
-    for config in (sparse_config(), sparse_config(threshold=0.05, query_stride=4, sink_blocks=1, local_blocks=1)):
+    configs = (
+        sparse_config(),
+        sparse_config(threshold=0.05, query_stride=4, sink_blocks=1, local_blocks=1),
+        sparse_config(threshold=1.0, target_mass=0.8),
+    )
+    for config in configs:
         got = select_blocks(*batch.search_args, config=config)
         want = reference.select_blocks(*batch.search_args, config=config)
         torch.testing.assert_close(got.scores, want.scores, atol=2e-3, rtol=2e-2)
         got_mask, want_mask = got.to_mask(), want.to_mask()
         # Decisions may differ only where the estimate sits at the cut within rounding.
-        best = want.scores.amax(-1, keepdim=True)
-        clear = (want.scores - config.threshold * best).abs() > 5e-3
+        cut = config.threshold * want.scores.amax(-1, keepdim=True)
+        if config.target_mass:
+            cut = torch.minimum(cut, reference.mass_cut(want.scores, config.target_mass))
+        clear = (want.scores - cut).abs() > 5e-3
         assert torch.equal(got_mask[clear], want_mask[clear])
         assert torch.equal(got.counts, got_mask.sum(-1).int())
 
@@ -90,6 +97,16 @@ def test_scores_are_shares_of_attention():
     searched = index.layout.qblock_dense == 0
     sums = index.scores.sum(-1)[searched.to(index.scores.device)]
     torch.testing.assert_close(sums, torch.ones_like(sums), atol=1e-3, rtol=0)
+
+
+def test_mass_targeted_cut_keeps_the_target_share():
+    batch = make_batch([400, 150], [400, 520], device=DEVICE)
+    config = sparse_config(threshold=1.0, target_mass=0.9)
+    index = select_blocks(*batch.search_args, config=config)
+    held = (index.scores * index.to_mask()).sum(-1)
+    searched = (index.layout.qblock_dense == 0).to(held.device)
+    assert (held[searched] >= 0.9 - 1e-4).all()
+    assert index.density() < 0.9, "the cut keeps the fewest blocks, not all of them"
 
 
 def test_forced_blocks_are_always_kept():
@@ -205,6 +222,7 @@ def test_bad_inputs_raise_clear_errors():
         (dict(block_size=100), "block_size"),
         (dict(threshold=1.5), "threshold"),
         (dict(threshold="0.1"), "threshold"),
+        (dict(target_mass=-0.1), "target_mass"),
         (dict(sink_blocks=-1), "sink_blocks"),
         (dict(query_stride=3), "query_stride"),
         (dict(block_size=64, query_stride=8), "fewer than 16"),

@@ -23,17 +23,20 @@ class SparsePrefillConfig:
 
     block_size: int = 128
     """Positions per query block and per key block (64, 128 or 256)."""
-    threshold: float = 0.02
+    threshold: float = 0.005
     """Max-relative keep threshold in [0, 1]; 0 keeps every causal block."""
+    target_mass: float = 0.0
+    """With a value in (0, 1], a query block also keeps its highest-estimate key blocks until they
+    hold this share of its estimated attention (a mass-targeted cut); 0 disables it."""
     sink_blocks: int = 1
     """Key blocks at the start of the sequence that every query block keeps (attention sinks)."""
     local_blocks: int = 2
     """Key blocks just before the diagonal block that every query block keeps (local window)."""
     last_query_blocks: int = 1
     """The last query blocks of each sequence are computed dense (they shape the first output token)."""
-    min_q_len: int = 8192
+    min_q_len: int = 16384
     """Sequences whose query length in this step is below this are computed dense."""
-    query_stride: int = 1
+    query_stride: int = 4
     """The search scores every ``query_stride``-th query row of a block (1 scores all rows)."""
     mean_correction: bool = False
     """Pruned key blocks fully visible to a query block contribute through their mean key and value."""
@@ -50,10 +53,12 @@ class SparsePrefillConfig:
             raise ValueError(
                 f"SparsePrefillConfig.block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}"
             )
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
-            raise TypeError(f"SparsePrefillConfig.threshold must be a number, got {self.threshold!r}")
-        if not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(f"SparsePrefillConfig.threshold must lie in [0, 1], got {self.threshold}")
+        for name in ("threshold", "target_mass"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"SparsePrefillConfig.{name} must be a number, got {value!r}")
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"SparsePrefillConfig.{name} must lie in [0, 1], got {value}")
         for name in ("sink_blocks", "local_blocks", "last_query_blocks", "min_q_len"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SparsePrefillConfig.{name} must be >= 0, got {getattr(self, name)}")

@@ -18,9 +18,8 @@ from .layout import BatchLayout, BlockIndex
 def gather_kv(cache: torch.Tensor, page_table: torch.Tensor, seq: int, length: int) -> torch.Tensor:
     """Contiguous (length, num_kv_heads, head_dim) keys or values of one sequence of a paged cache."""
     page_size = cache.shape[1]
-    pos = torch.arange(length, device=cache.device)
-    pages = page_table[seq, pos // page_size].long()
-    return cache[pages, pos % page_size]
+    pages = page_table[seq, : -(-length // page_size)].long()
+    return cache.index_select(0, pages).flatten(0, 1)[:length]
 
 
 def _sequences(cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor):
@@ -114,6 +113,16 @@ def _scored_rows(layout: BatchLayout, config: SparsePrefillConfig, qb: int) -> t
     return seq, pos, rows
 
 
+def mass_cut(estimate: torch.Tensor, target: float) -> torch.Tensor:
+    """Per row of ``estimate`` (..., n), the value of the smallest of the fewest largest entries
+    whose sum reaches ``target``: keeping entries >= it keeps that mass. Shape (..., 1)."""
+    ordered = estimate.sort(dim=-1, descending=True).values
+    reached = ordered.cumsum(-1) >= target
+    first = reached.float().argmax(dim=-1, keepdim=True)
+    first = torch.where(reached.any(-1, keepdim=True), first, ordered.shape[-1] - 1)
+    return ordered.gather(-1, first)
+
+
 def select_blocks(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -130,7 +139,8 @@ def select_blocks(
     query rows r and the query heads g of the group of softmax_j(scale * q_rg . mean_key_j + ln n_j),
     where n_j is the block's length: each row's attention over the blocks, with each block
     summarised by its mean key. A block is kept when its estimate is >= threshold x the row maximum,
-    or it is a sink block, a local block, the diagonal block, or the query block is dense.
+    or (with target_mass > 0) it is among the fewest largest estimates holding target_mass, or it
+    is a sink block, a local block, the diagonal block, or the query block is dense.
     """
     layout = BatchLayout.build(cu_seqlens_q, seqlens_k, config, q.device)
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -159,7 +169,10 @@ def select_blocks(
         logits = logits + torch.log(sizes[causal])
         estimate = torch.softmax(logits, dim=-1).mean(dim=(1, 2))  # (Hkv, pos + 1)
         scores[qb, :, causal] = estimate.float()
-        kept = estimate >= config.threshold * estimate.amax(dim=-1, keepdim=True)
+        cut = config.threshold * estimate.amax(dim=-1, keepdim=True)
+        if config.target_mass > 0:
+            cut = torch.minimum(cut, mass_cut(estimate, config.target_mass))
+        kept = estimate >= cut
         kept[:, : config.sink_blocks] = True
         kept[:, max(pos - config.local_blocks, 0) :] = True
         keep[qb, :, causal] = kept

@@ -127,6 +127,7 @@ def _select_kernel(
     stride_sh,
     qk_scale,
     threshold,
+    target_mass,
     sink_blocks,
     local_blocks,
     GROUP: tl.constexpr,
@@ -136,10 +137,13 @@ def _select_kernel(
     ROWS: tl.constexpr,
     ROW_CHUNK: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    MASS_BISECTION_STEPS: tl.constexpr = 24,  # resolves the cut to max / 2**24, below fp32 rounding of a share
 ):
     """One query block, one KV head: estimate each causal key block's share of attention, keep the
-    blocks at or above ``threshold`` x the largest share (plus sink, local and diagonal blocks),
-    and write their indices in ascending order. No sort: one pass finds the maximum, one compacts.
+    blocks at or above ``threshold`` x the largest share, and with ``target_mass`` > 0 also the
+    highest-share blocks that together hold ``target_mass`` (plus sink, local and diagonal blocks),
+    and write their indices in ascending order. No sort: a pass finds the maximum, a bisection
+    finds the mass cut, a pass compacts.
 
     The estimate for block j averages, over the scored query rows of the block and the query heads
     of the group, softmax_j(scale * q . mean_key_j + ln n_j). ``row_stats`` is scratch holding each
@@ -212,6 +216,22 @@ def _select_kernel(
             best = tl.maximum(best, mass)
         tl.debug_barrier()
         cut = threshold * tl.max(best, axis=0)
+        if target_mass > 0:
+            # The mass-targeted cut: the largest value whose blocks at or above it hold target_mass
+            # of the estimate, found by bisection over [0, max] instead of a sort.
+            low = 0.0
+            high = tl.max(best, axis=0)
+            for _ in range(MASS_BISECTION_STEPS):
+                mid = (low + high) * 0.5
+                held = tl.zeros([BLOCK_J], dtype=tl.float32)
+                for j0 in range(0, n_causal, BLOCK_J):
+                    j = j0 + cols
+                    mass = tl.load(scores + out_row + j, mask=j < n_causal, other=0.0)
+                    held += tl.where(mass >= mid, mass, 0.0)
+                reached = tl.sum(held, axis=0) >= target_mass
+                low = tl.where(reached, mid, low)
+                high = tl.where(reached, high, mid)
+            cut = tl.minimum(cut, low)
         kept = 0
         for j0 in range(0, n_causal, BLOCK_J):
             j = j0 + cols
@@ -276,11 +296,16 @@ def _attention_kernel(
     pruned fully visible blocks through their mean key and value. Writes out and natural-log lse."""
     SUB_M: tl.constexpr = BLOCK // BLOCK_M
     SUB_N: tl.constexpr = BLOCK // BLOCK_N
-    # Query heads vary fastest across programs, so the heads of a KV group run side by side and
-    # read the same K/V tiles from L2; the heaviest (latest) query blocks start first.
+    # Heaviest (latest) query blocks start first. Sparse: query heads vary fastest, so the heads of
+    # a KV group, which keep the same blocks, run side by side and share K/V tiles in L2. Dense:
+    # query tiles vary fastest, so concurrent programs stream the same keys of one head.
     num_heads = tl.num_programs(0) // (total_q_blocks * SUB_M)
-    head = tl.program_id(0) % num_heads
-    tile = tl.program_id(0) // num_heads
+    if DENSE:
+        head = tl.program_id(0) // (total_q_blocks * SUB_M)
+        tile = tl.program_id(0) % (total_q_blocks * SUB_M)
+    else:
+        head = tl.program_id(0) % num_heads
+        tile = tl.program_id(0) // num_heads
     kv_head = head // GROUP
     qb = total_q_blocks - 1 - tile // SUB_M
     sub = tile % SUB_M
@@ -417,7 +442,7 @@ def select_blocks(
         row_stats, scores, counts, indices,
         q.stride(0), q.stride(1), pooled.stride(0), pooled.stride(1), pooled.stride(2),
         scores.stride(0), scores.stride(1),
-        scale * LOG2E, config.threshold, config.sink_blocks, config.local_blocks,
+        scale * LOG2E, config.threshold, config.target_mass, config.sink_blocks, config.local_blocks,
         GROUP=group, HEAD_DIM=head_dim, BLOCK=config.block_size, STRIDE=config.query_stride,
         ROWS=rows, ROW_CHUNK=row_chunk, BLOCK_J=64 if head_dim <= 128 else 32,
         num_warps=4 if INTERPRET or head_dim <= 64 else 8,
