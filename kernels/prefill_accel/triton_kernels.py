@@ -296,16 +296,11 @@ def _attention_kernel(
     pruned fully visible blocks through their mean key and value. Writes out and natural-log lse."""
     SUB_M: tl.constexpr = BLOCK // BLOCK_M
     SUB_N: tl.constexpr = BLOCK // BLOCK_N
-    # Heaviest (latest) query blocks start first. Sparse: query heads vary fastest, so the heads of
-    # a KV group, which keep the same blocks, run side by side and share K/V tiles in L2. Dense:
-    # query tiles vary fastest, so concurrent programs stream the same keys of one head.
+    # Query heads vary fastest across programs, so the heads of a KV group, which keep the same
+    # blocks, run side by side and share K/V tiles in L2; the heaviest (latest) query blocks start first.
     num_heads = tl.num_programs(0) // (total_q_blocks * SUB_M)
-    if DENSE:
-        head = tl.program_id(0) // (total_q_blocks * SUB_M)
-        tile = tl.program_id(0) % (total_q_blocks * SUB_M)
-    else:
-        head = tl.program_id(0) % num_heads
-        tile = tl.program_id(0) // num_heads
+    head = tl.program_id(0) % num_heads
+    tile = tl.program_id(0) // num_heads
     kv_head = head // GROUP
     qb = total_q_blocks - 1 - tile // SUB_M
     sub = tile % SUB_M
