@@ -47,7 +47,8 @@ def _run_targets(args) -> int:
         also = f" (alias {', '.join(aliases[name])})" if name in aliases else ""
         print(f"{name}{also}\n  image {t.image} FROM {t.base_image}, torch {t.torch}\n"
               f"  upstream {t.git_url} @ {t.git_tag}, artifact {t.artifact}\n"
-              f"  upstream CPU tests: {len(t.cpu_tests)} file(s)")
+              f"  upstream CPU tests: {len(t.cpu_tests)} file(s)"
+              + (f" ({t.no_cpu_tests_reason})" if t.no_cpu_tests_reason else ""))
     return 0
 
 
@@ -138,7 +139,9 @@ def _run_build(args) -> int:
 
 def _configure_verify(p):
     _target_arg(p)
-    p.add_argument("--python", help="interpreter with the engine's test dependencies (default: this one)")
+    p.add_argument("--python", help="interpreter with the engine's test dependencies (default: the target's "
+                                    "cached test environment, $PREFILL_ACCEL_CACHE/envs/TARGET, built on first use; "
+                                    "this interpreter for a target without upstream CPU tests)")
     p.add_argument("--work", type=Path, help="keep the trees and test reports in this new directory")
     p.add_argument("--tests", nargs="+", metavar="PATH",
                    help="upstream tests to run instead of the target's cpu_tests (tree-relative)")

@@ -4,10 +4,15 @@ Both paths end in the same install step, scripts/install-into-env.sh (-> `prefil
   image  docker/Dockerfile.<engine>, FROM the target's official image, runs the script inside it
   venv   a fresh virtualenv with the pinned engine wheel installed --no-deps, the pinned CPU import/test
          dependencies (docker/requirements/), the target's CPU-breaking files removed, then the script
+
+The same virtualenv without the install step is `verify`'s cached test environment (cached_test_env).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -22,6 +27,7 @@ from .series import Series, content_hash
 from .targets import Target
 
 INSTALL_SCRIPT = Path("scripts") / "install-into-env.sh"
+ENV_STAMP = "prefill-accel-env.json"
 
 
 def docker_available() -> bool:
@@ -68,24 +74,75 @@ def build_venv(target: Target, root: Path, venv: Path, progress: Progress) -> Pa
     """A virtualenv holding the patched engine; returns its python."""
     if venv.exists() and any(venv.iterdir()):
         raise UsageError(f"{venv} exists and is not empty; pass a new directory to --venv")
+    python = _engine_venv(target, root, venv, progress)
+    with progress.step(f"Running {INSTALL_SCRIPT} (the image's install step)"):
+        env = dict(os.environ, PREFILL_ACCEL_TOOL_PYTHON=sys.executable)
+        _run(["bash", str(root / INSTALL_SCRIPT), target.name, "--python", str(python)], env=env)
+    return python
+
+
+def cached_test_env(target: Target, root: Path, progress: Progress) -> Path:
+    """The cached environment `verify` runs upstream's tests with; returns its python.
+
+    $PREFILL_ACCEL_CACHE/envs/TARGET: the pinned CPU requirements and the unpatched engine wheel, built on
+    first use and again whenever those inputs change (recorded in its ENV_STAMP, written last).
+    """
+    venv = registry.cache_dir(root) / "envs" / target.name
+    key = _test_env_key(target, root)
+    stamp = venv / ENV_STAMP
+    with _locked(venv.with_name(f"{venv.name}.lock")):
+        if stamp.is_file() and json.loads(stamp.read_text()) == key:
+            progress.note(f"    using the cached test environment {venv}")
+            return venv / "bin" / "python"
+        shutil.rmtree(venv, ignore_errors=True)
+        python = _engine_venv(target, root, venv, progress)
+        stamp.write_text(json.dumps(key, indent=2, sort_keys=True) + "\n")
+    return python
+
+
+def _test_env_key(target: Target, root: Path) -> dict:
+    requirements = root / target.venv_requirements
+    return {
+        "target": target.name,
+        "python": sys.version.split()[0],
+        "requirements_sha256": registry.sha256_of(requirements) if requirements.is_file() else "",
+        "wheel_sha256": target.wheel_sha256,
+        "venv_remove": list(target.venv_remove),
+    }
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on path for the block: two verify runs never build one environment at once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _engine_venv(target: Target, root: Path, venv: Path, progress: Progress) -> Path:
+    """A virtualenv with the pinned CPU requirements and the engine wheel (--no-deps), CPU-breaking files
+    removed, not yet patched; returns its python."""
     requirements = root / target.venv_requirements
     if not requirements.is_file():
         raise UsageError(f"{target.name}: no venv requirements file {requirements}")
-    python = str(venv / "bin" / "python")
+    python = venv / "bin" / "python"
     with progress.step(f"Creating virtualenv {venv}"):
         _run([sys.executable, "-m", "venv", str(venv)])
     with progress.step(f"Installing pinned CPU dependencies ({requirements.name})"):
-        _run([python, "-m", "pip", "install", "-q", "--no-deps", "-r", str(requirements)])
+        _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-r", str(requirements)])
     wheel = registry.fetch_file(target.engine, target.wheel, target.wheel_sha256, root, progress)
     with progress.step(f"Installing {wheel.name} (--no-deps)"):
-        _run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)])
-    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
+        _run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)])
+    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
+    remove_cpu_breaking_files(target, site)
+    return python
+
+
+def remove_cpu_breaking_files(target: Target, site: Path) -> None:
+    """Delete the target's venv_remove files (package-relative) from a directory holding the package."""
     for rel in target.venv_remove:
         (site / rel).unlink(missing_ok=True)
-    with progress.step(f"Running {INSTALL_SCRIPT} (the image's install step)"):
-        env = dict(os.environ, PREFILL_ACCEL_TOOL_PYTHON=sys.executable)
-        _run(["bash", str(root / INSTALL_SCRIPT), target.name, "--python", python], env=env)
-    return Path(python)
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> str:

@@ -36,6 +36,9 @@ class Target:
     path_prefix: str
     package: str
     cpu_tests: tuple[str, ...] = ()
+    no_cpu_tests_reason: str = ""
+    cpu_test_plugins: tuple[str, ...] = ()
+    cpu_test_models: tuple[str, ...] = ()
     venv_requirements: str = ""
     venv_remove: tuple[str, ...] = ()
     overlay_replaces: tuple[str, ...] = ()
@@ -157,4 +160,6 @@ def _target_from_table(name: str, table: dict, path: Path) -> Target:
         raise UsageError(f"{path}: table {name!r} describes {target.name!r}")
     if target.path_prefix and not target.path_prefix.endswith("/"):
         raise UsageError(f"{path}: target {name}: path_prefix must end with '/'")
+    if not target.cpu_tests and not target.no_cpu_tests_reason:
+        raise UsageError(f"{path}: target {name}: no cpu_tests; say why in no_cpu_tests_reason")
     return target

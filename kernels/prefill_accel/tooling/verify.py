@@ -1,24 +1,37 @@
-"""Run upstream's own CPU-capable tests on the unpatched and the patched tree; fail only on regressions.
+"""Run upstream's own CPU-capable tests on the unpatched and the patched engine; fail only on regressions.
 
 Upstream's suites do not all pass on a CPU machine even unpatched, so the gate is the difference: a test
-that passes on the unpatched tree and fails on the patched one is a regression. Our own tests (overlay
-files under upstream's test directories) exist only in the patched tree and must all pass.
+that passes unpatched and fails patched is a regression. Our own tests (overlay files under upstream's
+test directories) exist only in the patched tree and must all pass.
 
-Tests run with the given interpreter (an environment holding the engine's test dependencies, e.g. one
-made by `build.sh --venv`), with the tree's package directory first on PYTHONPATH so `import vllm`
-resolves to the tree under test, not to an installed copy.
+The work directory (kept with --work):
+  unpatched/, patched/   the upstream tree at its tag, fetched twice; the series applied to patched/
+  *-tests/               each tree's test directories and root test configuration, copied out of the tree
+                         (run from the tree root, pytest would import the tree's own package)
+  patched-site/          a hard-linked copy of the pinned wheel's package with the series applied to it as to
+                         an installed package; the unpatched one is the wheel unpacked once into the cache
+  hf-home/               an offline HF_HOME holding the config files of the target's cpu_test_models
+Upstream tests run from the test copies with the wheel's package (unpatched or patched) first on PYTHONPATH,
+so they exercise what ships; ours run in the patched tree with its package first. Patched runs also get the
+checkout's kernels/ (the runtime package the install step adds to a patched engine). Every run uses the
+interpreter given (default: the target's cached test environment, envbuild.cached_test_env) and loads the
+target's cpu_test_plugins from ci/upstream-tests/.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ElementTree
+import zipfile
 from pathlib import Path
 
+from . import envbuild, registry
 from .apply import apply
 from .errors import ToolingError, UsageError
 from .fetch import fetch
@@ -27,24 +40,36 @@ from .progress import Progress
 from .targets import Target
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+SUPPORT_DIR = Path("ci") / "upstream-tests"
+RUNTIME_DIR = Path("kernels")
+# Any commit-shaped name will do: the offline hub cache only needs refs/main to name the snapshot.
+OFFLINE_REVISION = "0" * 40
+ROOT_TEST_CONFIG = ("pyproject.toml", "setup.cfg", "pytest.ini", "tox.ini", "conftest.py")
+# Defaults of every test run (the caller's environment wins): no model hub, and Triton kernels through the
+# interpreter, set before any test module imports them (as tests/conftest.py does on a CPU machine).
+RUN_DEFAULTS = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TRITON_INTERPRET": "1"}
+UNPACKED_MARKER = ".prefill-accel-unpacked.json"
 
 
 @dataclasses.dataclass
 class Outcomes:
-    """Test node id -> passed / failed / skipped, from one pytest run."""
+    """Test node id -> passed / failed / skipped, from one pytest run; reason says why none ran."""
 
     results: dict[str, str]
+    reason: str = ""
 
     def count(self, outcome: str) -> int:
         return sum(1 for r in self.results.values() if r == outcome)
 
     def summary(self) -> str:
-        return f"{self.count(PASSED)} passed, {self.count(FAILED)} failed, {self.count(SKIPPED)} skipped"
+        counts = f"{self.count(PASSED)} passed, {self.count(FAILED)} failed, {self.count(SKIPPED)} skipped"
+        return f"{counts} (none run: {self.reason})" if self.reason else counts
 
 
 @dataclasses.dataclass
 class VerifyReport:
     target: Target
+    python: str
     unpatched: Outcomes
     patched: Outcomes
     ours: Outcomes
@@ -60,7 +85,7 @@ class VerifyReport:
 
     def render(self) -> str:
         lines = [
-            f"verify {self.target.name}",
+            f"verify {self.target.name} (tests run with {self.python})",
             f"  upstream tests, unpatched: {self.unpatched.summary()}",
             f"  upstream tests, patched:   {self.patched.summary()}",
             f"  our tests, patched:        {self.ours.summary()}",
@@ -69,6 +94,38 @@ class VerifyReport:
         lines += [f"    {t}" for t in self.regressions]
         lines += [f"    ours failed: {t}" for t, r in sorted(self.ours.results.items()) if r == FAILED]
         return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Harness:
+    """What every test run of a target gets: its pytest plugins (and their directory on the path) and,
+    where it names models, an offline HF_HOME."""
+
+    plugins: tuple[str, ...]
+    paths: tuple[Path, ...]
+    env: dict[str, str]
+
+    @classmethod
+    def prepare(cls, target: Target, root: Path, work: Path) -> "Harness":
+        env = {}
+        if target.cpu_test_models:
+            env["HF_HOME"] = str(offline_hf_home(target.cpu_test_models, root, work / "hf-home"))
+        paths = (root / SUPPORT_DIR,) if target.cpu_test_plugins else ()
+        return cls(target.cpu_test_plugins, paths, env)
+
+
+def offline_hf_home(models: tuple[str, ...], root: Path, home: Path) -> Path:
+    """A new HF_HOME whose hub cache holds just the files under ci/upstream-tests/hf-configs/ of each model."""
+    for name in models:
+        source = root / SUPPORT_DIR / "hf-configs" / name
+        if not (source / "config.json").is_file():
+            raise UsageError(f"no offline config for the model {name}: add {source / 'config.json'} "
+                             f"(see {SUPPORT_DIR / 'README.md'})")
+        repo = home / "hub" / f"models--{name.replace('/', '--')}"
+        shutil.copytree(source, repo / "snapshots" / OFFLINE_REVISION)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(OFFLINE_REVISION)
+    return home
 
 
 def our_tests(target: Target, root: Path) -> list[str]:
@@ -81,10 +138,11 @@ def our_tests(target: Target, root: Path) -> list[str]:
 def verify(target: Target, root: Path, python: str | None = None, work: Path | None = None,
            tests: list[str] | None = None, progress: Progress | None = None) -> VerifyReport:
     progress = progress or Progress()
-    python = python or sys.executable
     upstream_tests = list(tests if tests is not None else target.cpu_tests)
+    if python is None:
+        python = str(envbuild.cached_test_env(target, root, progress)) if target.cpu_tests else sys.executable
     with tempfile.TemporaryDirectory(prefix="prefill-accel-verify-") as tmp:
-        work = Path(work or tmp)
+        work = Path(work or tmp).resolve()
         unpatched, patched = work / "unpatched", work / "patched"
         fetch(target, unpatched, root, progress)
         fetch(target, patched, root, progress)
@@ -92,33 +150,88 @@ def verify(target: Target, root: Path, python: str | None = None, work: Path | N
         missing = [t for t in upstream_tests if not (unpatched / t.split("::")[0]).exists()]
         if missing:
             raise UsageError(f"{target.name}: upstream tests not in the tree: {', '.join(missing)}")
-        with progress.step(f"Upstream tests on the unpatched tree ({len(upstream_tests)} file(s))"):
-            before = run_pytest(python, target, unpatched, upstream_tests, work / "unpatched.xml")
-        with progress.step("Upstream tests on the patched tree"):
-            after = run_pytest(python, target, patched, upstream_tests, work / "patched.xml")
+        harness = Harness.prepare(target, root, work)
+        runtime = root / RUNTIME_DIR  # the patched engine's prefill_accel, as the install step provides it
+        if upstream_tests:
+            site = unpacked_wheel(target, root, progress)
+            patched_site = work / "patched-site"
+            with progress.step(f"Linking a copy of {site.name} to patch"):
+                linked_copy(site, patched_site)
+            apply(target, patched_site, root, progress)
+            with progress.step(f"Upstream tests, unpatched ({len(upstream_tests)} file(s))"):
+                before = run_pytest(python, harness, [site],
+                                    copy_tests(unpatched, upstream_tests, work / "unpatched-tests"),
+                                    upstream_tests, work / "unpatched.xml")
+            with progress.step("Upstream tests, patched"):
+                after = run_pytest(python, harness, [patched_site, runtime],
+                                   copy_tests(patched, upstream_tests, work / "patched-tests"),
+                                   upstream_tests, work / "patched.xml")
+        else:
+            reason = target.no_cpu_tests_reason if tests is None else "no upstream tests requested"
+            before = after = Outcomes({}, reason)
         with progress.step("Our tests on the patched tree"):
             # Ours are self-contained: upstream's conftest would demand its full test environment.
-            ours = run_pytest(python, target, patched, our_tests(target, root), work / "ours.xml",
-                              "--noconftest")
-    return VerifyReport(target, before, after, ours)
+            ours = run_pytest(python, harness, [patched / target.path_prefix, runtime], patched,
+                              our_tests(target, root), work / "ours.xml", "--noconftest")
+    return VerifyReport(target, python, before, after, ours)
 
 
-def run_pytest(python: str, target: Target, tree: Path, tests: list[str], junit: Path,
+def unpacked_wheel(target: Target, root: Path, progress: Progress) -> Path:
+    """The target's pinned wheel unpacked (site-packages layout, venv_remove applied), cached; do not modify."""
+    wheel = registry.fetch_file(target.engine, target.wheel, target.wheel_sha256, root, progress)
+    dest = registry.cache_dir(root) / "wheels" / wheel.name.removesuffix(".whl")
+    marker = {"wheel_sha256": target.wheel_sha256, "venv_remove": list(target.venv_remove)}
+    if (dest / UNPACKED_MARKER).is_file() and json.loads((dest / UNPACKED_MARKER).read_text()) == marker:
+        return dest
+    with progress.step(f"Unpacking {wheel.name}"):
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(stage)
+        envbuild.remove_cpu_breaking_files(target, stage)
+        (stage / UNPACKED_MARKER).write_text(json.dumps(marker) + "\n")
+        os.replace(stage, dest)
+    return dest
+
+
+def linked_copy(src: Path, dest: Path) -> None:
+    """Copy a directory as hard links where the file system allows: apply replaces files, never writes
+    into them, so the source stays as it was."""
+    def link(source: str, target: str) -> None:
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)
+
+    shutil.copytree(src, dest, copy_function=link)
+
+
+def copy_tests(tree: Path, tests: list[str], dest: Path) -> Path:
+    """The tree's top-level test directories of tests, plus its root test configuration, copied to dest."""
+    for top in sorted({t.split("/", 1)[0] for t in tests}):
+        shutil.copytree(tree / top, dest / top)
+    for name in ROOT_TEST_CONFIG:
+        if (tree / name).is_file():
+            shutil.copy2(tree / name, dest / name)
+    return dest
+
+
+def run_pytest(python: str, harness: Harness, package_dirs: list[Path], cwd: Path, tests: list[str], junit: Path,
                *options: str) -> Outcomes:
-    """Run pytest on tests (tree-relative) with the tree's package first on the path."""
+    """Run pytest in cwd on tests (cwd-relative) with package_dirs first on the path."""
     if not tests:
         return Outcomes({})
-    env = dict(os.environ)
+    env = {**RUN_DEFAULTS, **os.environ, **harness.env}
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(tree / target.path_prefix), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", str(junit),
+        p for p in (*map(str, package_dirs), *map(str, harness.paths), env.get("PYTHONPATH", "")) if p)
+    plugins = [arg for name in harness.plugins for arg in ("-p", name)]
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins, "--junitxml", str(junit),
            "-o", "junit_family=xunit1", *options, *tests]
-    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     if not junit.is_file():
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
-        raise ToolingError(f"pytest did not run in {tree} (exit {proc.returncode}):\n{tail}")
+        raise ToolingError(f"pytest did not run in {cwd} (exit {proc.returncode}):\n{tail}")
     return parse_junit(junit)
 
 

@@ -1,0 +1,1 @@
+"""Hooks through which serving engines discover prefill-accel; each is inert where its engine is absent."""

@@ -1,0 +1,110 @@
+"""prefill-accel: running decodes are scheduled first; --max-step-latency-ms sizes prefill chunks.
+
+The scheduler is real; the "GPU" is a fake clock advanced by a linear cost model between
+schedule() and update_from_output(), so the step times the scheduler measures are known.
+"""
+
+import math
+
+import pytest
+from scheduler_harness import make_request, make_scheduler, run_step
+
+
+def test_decode_is_not_pushed_out_by_a_prefill_ahead_of_it():
+    # Sharing (two partial prefills) admits "chat" next to "doc" in the first step, so the
+    # running list is [doc (prefilling), chat (decoding)]: doc comes first in every step.
+    scheduler = make_scheduler(
+        max_num_batched_tokens=256,
+        max_num_partial_prefills=2,
+        long_prefill_token_threshold=1024,
+    )
+    scheduler.add_request(make_request("doc", 1500))
+    scheduler.add_request(make_request("chat", 10))
+    assert run_step(scheduler).num_scheduled_tokens == {"doc": 246, "chat": 10}
+
+    for _ in range(4):
+        step = run_step(scheduler)
+        assert step.num_scheduled_tokens["chat"] == 1
+        assert step.num_scheduled_tokens["doc"] == 255
+
+
+class FakeGpu:
+    """A clock that a step advances by fixed + per_token * tokens seconds."""
+
+    def __init__(self, fixed_s: float, per_token_s: float) -> None:
+        self.now = 1000.0
+        self.fixed_s, self.per_token_s = fixed_s, per_token_s
+
+    def __call__(self) -> float:
+        return self.now
+
+    def run(self, output) -> None:
+        self.now += self.fixed_s + self.per_token_s * output.total_num_scheduled_tokens
+
+
+def test_step_latency_target_limits_prefill_tokens_next_to_decodes():
+    target_ms = 20.0
+    gpu = FakeGpu(fixed_s=0.005, per_token_s=20e-6)  # 2048 tokens: 46 ms
+    scheduler = make_scheduler(max_num_batched_tokens=2048, max_step_latency_ms=target_ms)
+    scheduler.step_time.clock = gpu
+    for i in range(4):
+        scheduler.add_request(make_request(f"chat{i}", 32, max_tokens=200))
+    # The chats' prefill step and their decode steps teach the model the fixed and the
+    # per-token cost before the document arrives.
+    for _ in range(6):
+        run_step(scheduler, gpu.run)
+    scheduler.add_request(make_request("doc", 2000, max_tokens=1))
+
+    step_times, doc_chunks = [], []
+    while "doc" in scheduler.requests and len(step_times) < 20:
+        before = gpu.now
+        step = run_step(scheduler, gpu.run)
+        assert all(step.num_scheduled_tokens[f"chat{i}"] == 1 for i in range(4))
+        step_times.append(gpu.now - before)
+        doc_chunks.append(step.num_scheduled_tokens.get("doc", 0))
+
+    # Every step stays within the target, in chunks of about the largest size that fits next
+    # to the four decodes (746 tokens), where the budget alone would allow 2044.
+    best_chunk = math.floor((target_ms / 1e3 - gpu.fixed_s) / gpu.per_token_s) - 4
+    assert sum(doc_chunks) == 2000
+    assert max(step_times) <= target_ms / 1e3 * 1.001
+    assert all(0.99 * best_chunk <= c <= best_chunk for c in doc_chunks[:-1])
+
+
+def test_without_a_target_prefill_uses_the_whole_budget_left_by_decodes():
+    # A guard, not a new behaviour: without a target nothing but decodes limits prefill.
+    scheduler = make_scheduler(max_num_batched_tokens=2048)
+    scheduler.add_request(make_request("chat", 32, max_tokens=50))
+    for _ in range(6):
+        run_step(scheduler)
+    scheduler.add_request(make_request("doc", 2000, max_tokens=1))
+    assert run_step(scheduler).num_scheduled_tokens == {"chat": 1, "doc": 2000}
+
+
+def test_step_time_model_fits_fixed_token_and_attention_costs():
+    from vllm.v1.core.sched.step_time import StepTimeModel, attention_pairs
+
+    c0, c1, c2 = 0.004, 30e-6, 2e-9
+    model = StepTimeModel(token_scale=2048, pair_scale=2048 * 131072)
+    for step in range(40):
+        context, chunk, decodes = 2048 * step, 2048 - 32 * (step % 5), 8 + step % 3
+        tokens = chunk + decodes
+        pairs = attention_pairs(context, chunk) + decodes * 4096
+        model.observe(tokens, pairs, c0 + c1 * tokens + c2 * pairs)
+    assert model.coefficients == pytest.approx((c0, c1, c2), rel=1e-3)
+
+    # The largest chunk at 64K context that, next to 8 decodes, keeps a step within 50 ms.
+    chunk = model.max_prefill_tokens(0.050, 8, 8 * 4096, 65536)
+    def predicted(n):
+        return model.predict(8 + n, 8 * 4096 + attention_pairs(65536, n))
+    assert 0 < chunk < 2048
+    assert predicted(chunk) <= 0.050 < predicted(chunk + 1)
+
+
+def test_cli_accepts_max_step_latency_ms():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    assert parser.parse_args(["--max-step-latency-ms", "40"]).max_step_latency_ms == 40.0
+    assert EngineArgs.max_step_latency_ms is None

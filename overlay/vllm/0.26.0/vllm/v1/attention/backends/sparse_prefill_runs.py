@@ -1,0 +1,104 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which rows of a vLLM batch the SPARSE_PREFILL backend sends to the sparse kernel.
+
+Placed by the prefill-accel overlay. Pure metadata translation, no kernels: the batch is cut into
+maximal runs of consecutive requests that take the same path, so each path is called on plain
+slices of the query, output, block table and sequence lengths (no gathers, no copies), and every
+result lands in the rows it was computed for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RequestRun:
+    """Consecutive requests ``[req_start, req_end)`` owning query rows ``[token_start, token_end)``."""
+
+    sparse: bool
+    req_start: int
+    req_end: int
+    token_start: int
+    token_end: int
+    max_query_len: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.token_start, self.token_end)
+
+    @property
+    def requests(self) -> slice:
+        return slice(self.req_start, self.req_end)
+
+
+def split_long_prefills(query_start_loc_cpu: torch.Tensor, num_reqs: int, min_len: int) -> tuple[RequestRun, ...] | None:
+    """Cut a batch into runs of requests for the dense path and for the sparse path.
+
+    Args:
+        query_start_loc_cpu: (num_reqs + 1,) int32 CPU tensor, the query offsets of the requests
+            (vLLM's ``CommonAttentionMetadata.query_start_loc_cpu``; may be longer when padded).
+        num_reqs: the number of real requests.
+        min_len: a request whose query length in this step is at least this goes sparse.
+
+    Returns:
+        The runs in batch order, covering every request once, or None when no request reaches
+        ``min_len`` (decode-only and short batches run upstream's path untouched).
+    """
+    starts = query_start_loc_cpu[: num_reqs + 1].tolist()
+    query_lens = [end - start for start, end in zip(starts, starts[1:])]
+    if not any(q_len >= min_len for q_len in query_lens):
+        return None
+    runs: list[RequestRun] = []
+    run_start = 0
+    for req in range(1, num_reqs + 1):
+        if req == num_reqs or (query_lens[req] >= min_len) != (query_lens[run_start] >= min_len):
+            runs.append(
+                RequestRun(
+                    sparse=query_lens[run_start] >= min_len,
+                    req_start=run_start,
+                    req_end=req,
+                    token_start=starts[run_start],
+                    token_end=starts[req],
+                    max_query_len=max(query_lens[run_start:req]),
+                )
+            )
+            run_start = req
+    return tuple(runs)
+
+
+def run_metadata(attn_metadata, run: RequestRun):
+    """``attn_metadata`` (a FlashAttentionMetadata) restricted to one run, with rows renumbered from 0.
+
+    The ahead-of-time FA3 schedule describes the whole batch, so it is dropped (FA then schedules
+    itself); ``max_seq_len`` stays an upper bound of the batch, which FA accepts.
+    """
+    query_start_loc = attn_metadata.query_start_loc[run.req_start : run.req_end + 1] - run.token_start
+    return dataclasses.replace(
+        attn_metadata,
+        num_actual_tokens=run.token_end - run.token_start,
+        max_query_len=run.max_query_len,
+        query_start_loc=query_start_loc,
+        seq_lens=attn_metadata.seq_lens[run.requests],
+        block_table=attn_metadata.block_table[run.requests],
+        scheduler_metadata=None,
+        sparse_runs=None,
+    )
+
+
+def forward_runs(
+    runs: tuple[RequestRun, ...],
+    attn_metadata,
+    dense: Callable[[slice, object], None],
+    sparse: Callable[[slice, object], None],
+) -> None:
+    """Call ``dense(rows, run_metadata)`` or ``sparse(rows, run_metadata)`` once per run, in batch order.
+
+    Each call computes the query rows ``rows`` of the step into the same rows of the output.
+    """
+    for run in runs:
+        (sparse if run.sparse else dense)(run.rows, run_metadata(attn_metadata, run))

@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Per-step prefill token budget, shared among concurrent partial prefills (prefill-accel).
+
+The V1 scheduler gives every prefill chunk `min(remaining prompt, token budget)`, in queue
+order, so the first long prompt takes the whole step and everything behind it waits.
+`SchedulerConfig` defines `max_num_partial_prefills` and `max_long_partial_prefills` but V1
+never enforced them; this module does, for the scheduler's two loops:
+
+* Admission: at most `max_num_partial_prefills` requests are prefilling at once (running
+  prefill chunks plus those admitted this step), and at most `max_long_partial_prefills` of
+  them are long, i.e. have more than `long_prefill_token_threshold` prompt tokens left. A
+  long request that finds the long slots taken is skipped so a shorter one behind it can
+  start (it keeps its place through the scheduler's skipped-waiting queue).
+* Sharing: the step's prefill budget is split max-min fairly (water filling) over the
+  prefills expected this step: every prefill gets at most the water level, so a short prompt
+  is finished in one step while a long one takes the rest, never the whole budget while
+  another prefill is waiting.
+
+Limits apply when `max_num_partial_prefills > 1` (as in V0). In every mode the object also
+enforces the step's total prefill budget given to `begin_step` (the scheduler passes what is
+left after running decodes, further limited by a step latency target when one is set).
+"""
+
+from collections.abc import Iterable
+
+from vllm.config import SchedulerConfig
+from vllm.v1.request import Request
+
+
+def remaining_prefill_tokens(request: Request) -> int:
+    """Tokens the request still has to compute before it can decode (prompt, or prompt and
+    earlier outputs for a preempted request)."""
+    return max(request.num_tokens - request.num_computed_tokens, 0)
+
+
+def water_level(demands: list[int], budget: int) -> int:
+    """Largest per-prefill cap L with sum(min(d, L) for d in demands) <= budget.
+
+    With enough budget for every demand, L is the largest demand (nobody is capped).
+    """
+    if not demands:
+        return budget
+    left, count = budget, len(demands)
+    for demand in sorted(demands):
+        if demand * count > left:
+            return left // count
+        left -= demand
+        count -= 1
+    return max(demands)
+
+
+class PrefillBudget:
+    """How many prefill tokens a step may schedule, and for which requests.
+
+    Call `begin_step` once per `schedule()`, `admission` before taking a waiting request,
+    `cap` on every prefill chunk's size and `consume` once the chunk is scheduled.
+    """
+
+    ADMIT, SKIP, STOP = "admit", "skip", "stop"
+
+    def __init__(self, scheduler_config: SchedulerConfig) -> None:
+        self.max_partial = scheduler_config.max_num_partial_prefills
+        self.max_long_partial = scheduler_config.max_long_partial_prefills
+        self.long_threshold = scheduler_config.long_prefill_token_threshold
+        self.limits_enabled = self.max_partial > 1
+        self._tokens_left = 0
+        self._level: int | None = None
+        self._num_partial = 0
+        self._num_long_partial = 0
+
+    def is_long(self, request: Request) -> bool:
+        return 0 < self.long_threshold < remaining_prefill_tokens(request)
+
+    def _chunk_demand(self, request: Request) -> int:
+        remaining = remaining_prefill_tokens(request)
+        if 0 < self.long_threshold < remaining:
+            return self.long_threshold
+        return remaining
+
+    def begin_step(
+        self,
+        running: Iterable[Request],
+        waiting_queues: Iterable[Iterable[Request]],
+        prefill_tokens: int,
+    ) -> None:
+        """Start a step whose prefills may use at most `prefill_tokens` tokens in total."""
+        self._tokens_left = max(prefill_tokens, 0)
+        self._level = None
+        if not self.limits_enabled:
+            return
+        prefilling = [r for r in running if r.is_prefill_chunk]
+        self._num_partial = len(prefilling)
+        self._num_long_partial = sum(self.is_long(r) for r in prefilling)
+        # The waiting requests this step would admit, in queue order, to size the shares.
+        demands = [self._chunk_demand(r) for r in prefilling]
+        free = self.max_partial - self._num_partial
+        free_long = self.max_long_partial - self._num_long_partial
+        for queue in waiting_queues:
+            for request in queue:
+                if free <= 0:
+                    break
+                if self.is_long(request):
+                    if free_long <= 0:
+                        continue
+                    free_long -= 1
+                free -= 1
+                demands.append(self._chunk_demand(request))
+        self._level = water_level(demands, self._tokens_left)
+
+    def admission(self, request: Request) -> str:
+        """ADMIT, SKIP (a long request while the long slots are taken) or STOP (no slot, or
+        no prefill tokens left in this step)."""
+        if self._tokens_left <= 0:
+            return self.STOP
+        if not self.limits_enabled:
+            return self.ADMIT
+        if self._num_partial >= self.max_partial:
+            return self.STOP
+        if self.is_long(request) and self._num_long_partial >= self.max_long_partial:
+            return self.SKIP
+        return self.ADMIT
+
+    def cap(self, num_new_tokens: int) -> int:
+        """The prefill chunk size allowed for a request that asks for `num_new_tokens`."""
+        allowed = min(num_new_tokens, self._tokens_left)
+        if self._level is not None:
+            allowed = min(allowed, max(self._level, 1))
+        return allowed
+
+    def consume(self, request: Request, num_tokens: int, admitted: bool) -> None:
+        """Record a scheduled prefill chunk; `admitted` for a request taken from waiting."""
+        self._tokens_left = max(self._tokens_left - num_tokens, 0)
+        if admitted and self.limits_enabled:
+            self._num_partial += 1
+            self._num_long_partial += self.is_long(request)

@@ -1,0 +1,225 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Decode-first prefill budget and an online step-time model for a step latency target (prefill-accel).
+
+Decodes first: the tokens every running decode asks for are taken off the step's token budget
+before any prefill chunk is sized, so a long prefill earlier in the running list can no longer
+push decodes out of a step.
+
+Step latency target (`--max-step-latency-ms`): the scheduler never sees GPU time, so it learns
+a cost model from the wall time of the steps it schedules and sizes the step's prefill tokens
+so the predicted step time stays within the target. The model of one step is
+
+    t = c0 + c1 * T + c2 * P
+
+    T  tokens scheduled in the step (prefill and decode): linear layers, sampling
+    P  attention pairs: a chunk of q tokens after c computed tokens attends to
+       q*c + q*(q+1)/2 keys; a decode (q = 1) reads its c + 1 keys
+    c0 fixed cost per step (launches, CPU scheduling, sampling)
+
+The quadratic attention term is what keeps the model honest on long prompts: for an 8B model
+the attention FLOPs per token overtake the linear layers' beyond ~32K tokens of context, so
+a per-token average learnt on early chunks of a 128K prompt underestimates the late ones
+several times. Sparse attention lowers c2, which the fit picks up by itself.
+
+The coefficients are an exponentially weighted least-squares fit (forgetting factor
+`FORGETTING`, i.e. an EWMA of the normal equations), solved with non-negative coefficients.
+A step's wall time is measured from its schedule() until its update_from_output(), started no
+earlier than the previous update_from_output(): with a batch queue (async scheduling) a step
+starts running when the one before it finished, not when it was scheduled. Until
+`WARMUP_STEPS` steps have been seen, or while no decode is running (nobody's inter-token
+latency is at stake), prefills are not capped by the target. When the decodes alone are
+predicted to exceed the target, prefills still get `min_prefill_tokens` per step so they
+cannot starve.
+"""
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from vllm.v1.request import Request
+
+# Weight of older steps per new step: ~20 steps of memory, quick enough to follow a prefill
+# whose context grows every step, long enough to average out step-to-step noise.
+FORGETTING = 0.95
+# Steps observed before the model may cap prefills (three coefficients need a few points).
+WARMUP_STEPS = 4
+# Ridge weight relative to the data, keeps the solve defined while a feature has not varied.
+RIDGE = 1e-9
+# Scheduled steps waiting for their output; more than the deepest batch queue in use.
+MAX_IN_FLIGHT_STEPS = 8
+
+
+def decode_tokens(request: Request, step: int) -> int:
+    """Tokens a running decode asks for in scheduler step `step` (1, plus speculative
+    tokens; 0 while pipeline-parallel decode pacing holds it back)."""
+    if step < request.next_decode_eligible_step:
+        return 0
+    return max(
+        request.num_tokens_with_spec
+        + request.num_output_placeholders
+        - request.num_computed_tokens,
+        0,
+    )
+
+
+def attention_pairs(num_computed_tokens: int, num_new_tokens: int) -> int:
+    """Query-key pairs of a chunk of num_new_tokens after num_computed_tokens (causal)."""
+    q = num_new_tokens
+    return q * num_computed_tokens + q * (q + 1) // 2
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting for a small dense system."""
+    n = len(rhs)
+    a = [row[:] + [rhs[i]] for i, row in enumerate(matrix)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        if a[col][col] == 0.0:
+            continue
+        for r in range(col + 1, n):
+            f = a[r][col] / a[col][col]
+            for k in range(col, n + 1):
+                a[r][k] -= f * a[col][k]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        if a[r][r] != 0.0:
+            x[r] = (a[r][n] - sum(a[r][k] * x[k] for k in range(r + 1, n))) / a[r][r]
+    return x
+
+
+class StepTimeModel:
+    """Online fit of step seconds = c0 + c1 * tokens + c2 * attention_pairs."""
+
+    def __init__(self, token_scale: float, pair_scale: float) -> None:
+        # Features are scaled to ~[0, 1] so the ridge term means the same for each.
+        self._scales = (1.0, float(token_scale), float(pair_scale))
+        self._xtx = [[0.0] * 3 for _ in range(3)]
+        self._xty = [0.0] * 3
+        self.num_observations = 0
+        self.coefficients = (0.0, 0.0, 0.0)
+
+    def observe(self, tokens: int, pairs: int, seconds: float) -> None:
+        x = [1.0, tokens / self._scales[1], pairs / self._scales[2]]
+        for i in range(3):
+            self._xty[i] = FORGETTING * self._xty[i] + x[i] * seconds
+            for j in range(3):
+                self._xtx[i][j] = FORGETTING * self._xtx[i][j] + x[i] * x[j]
+        self.num_observations += 1
+        self.coefficients = self._fit()
+
+    def _fit(self) -> tuple[float, float, float]:
+        """Least squares with non-negative coefficients (active set over three features)."""
+        active = [0, 1, 2]
+        while active:
+            ridge = RIDGE * max(self._xtx[i][i] for i in range(3))
+            sub = [[self._xtx[i][j] + (ridge if i == j else 0.0) for j in active] for i in active]
+            solution = _solve(sub, [self._xty[i] for i in active])
+            negative = [i for i, v in zip(active, solution) if v < 0.0]
+            if not negative:
+                scaled = dict(zip(active, solution))
+                return tuple(scaled.get(i, 0.0) / self._scales[i] for i in range(3))
+            active.remove(min(negative, key=lambda i: solution[active.index(i)]))
+        return (0.0, 0.0, 0.0)
+
+    @property
+    def ready(self) -> bool:
+        return self.num_observations >= WARMUP_STEPS
+
+    def predict(self, tokens: float, pairs: float) -> float:
+        c0, c1, c2 = self.coefficients
+        return c0 + c1 * tokens + c2 * pairs
+
+    def max_prefill_tokens(
+        self, target_s: float, tokens: int, pairs: int, context: int
+    ) -> int | None:
+        """Largest prefill chunk x at `context` computed tokens that, added to a step already
+        holding `tokens` / `pairs`, keeps the prediction within target_s; None if unbounded.
+        Solves c2/2 x^2 + (c1 + c2 (context + 1/2)) x + (predict(tokens, pairs) - target) <= 0.
+        """
+        _, c1, c2 = self.coefficients
+        slack = target_s - self.predict(tokens, pairs)
+        if slack <= 0.0:
+            return 0
+        a, b = c2 / 2.0, c1 + c2 * (context + 0.5)
+        if a > 0.0:
+            return int((-b + math.sqrt(b * b + 4.0 * a * slack)) / (2.0 * a))
+        if b > 0.0:
+            return int(slack / b)
+        return None
+
+
+class StepTimeBudget:
+    """Decode-first prefill budget, optionally capped by a step latency target."""
+
+    def __init__(
+        self,
+        max_step_latency_ms: float | None,
+        max_num_scheduled_tokens: int,
+        max_model_len: int,
+        min_prefill_tokens: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.target_s = None if max_step_latency_ms is None else max_step_latency_ms / 1e3
+        self.min_prefill_tokens = min_prefill_tokens
+        self.clock = clock
+        self.model = StepTimeModel(
+            token_scale=max_num_scheduled_tokens,
+            pair_scale=float(max_num_scheduled_tokens) * max_model_len,
+        )
+        # (scheduler output, tokens, pairs, schedule() start) of steps awaiting output.
+        self._in_flight: deque[tuple[object, int, int, float]] = deque(
+            maxlen=MAX_IN_FLIGHT_STEPS
+        )
+        self._step_start = 0.0
+        self._last_output_at = -math.inf
+
+    def begin_step(self, running: Iterable[Request], token_budget: int, step: int) -> int:
+        """Start timing a step; return the tokens its prefills may use.
+
+        Running decodes are served first: their tokens are reserved off the budget. With a
+        target, prefills get what keeps the predicted step time within it, computed for the
+        longest context among running prefills (a conservative bound for every chunk).
+        """
+        self._step_start = self.clock()
+        decode_tokens_total = pairs = 0
+        prefill_context = 0
+        for request in running:
+            if request.is_prefill_chunk:
+                prefill_context = max(prefill_context, request.num_computed_tokens)
+                continue
+            n = decode_tokens(request, step)
+            decode_tokens_total += n
+            pairs += attention_pairs(request.num_computed_tokens, n)
+        prefill_tokens = max(token_budget - decode_tokens_total, 0)
+        if self.target_s is None or decode_tokens_total == 0 or not self.model.ready:
+            return prefill_tokens
+        allowed = self.model.max_prefill_tokens(
+            self.target_s, decode_tokens_total, pairs, prefill_context
+        )
+        if allowed is None:
+            return prefill_tokens
+        return min(prefill_tokens, max(allowed, self.min_prefill_tokens))
+
+    def end_step(self, scheduler_output: object, requests: dict[str, Request]) -> None:
+        """Remember what a scheduled step holds, to fit its wall time when its output comes.
+
+        Called before the scheduler advances num_computed_tokens for the step.
+        """
+        tokens = pairs = 0
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            tokens += n
+            pairs += attention_pairs(requests[req_id].num_computed_tokens, n)
+        if tokens:
+            self._in_flight.append((scheduler_output, tokens, pairs, self._step_start))
+
+    def observe_output(self, scheduler_output: object) -> None:
+        """Fit the model with the wall time of the step whose output just arrived."""
+        now = self.clock()
+        for i, (output, tokens, pairs, started) in enumerate(self._in_flight):
+            if output is scheduler_output:
+                del self._in_flight[i]
+                self.model.observe(tokens, pairs, now - max(started, self._last_output_at))
+                break
+        self._last_output_at = now

@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""Simulate vLLM V1's real Scheduler on a long-plus-short workload with a per-token cost model, no GPU.
+
+Drives `vllm.v1.core.sched.scheduler.Scheduler` step by step on simulated time: each step's
+duration comes from a cost model (fixed + per token + per attention query-key pair, an 8B-class
+model on one H200-class GPU with dense attention; illustrative, not measured), fed back to the
+scheduler as its clock. Workload: background chats decoding from the start, one 128K-token
+document, then short chat requests arriving every half second while the document prefills.
+Prints a Markdown table per scheduler configuration: short requests' time to first schedule
+and to first token, decode step time (inter-token latency) and decode stalls, document TTFT.
+
+Run it with a vLLM 0.26.0 tree (patched or not) first on PYTHONPATH and its CPU test
+dependencies installed; configurations whose options this vLLM lacks are reported as such:
+
+  PYTHONPATH=build/edit-sched python scripts/simulate_prefill_scheduling.py --configs all
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+# Cost model of one step (seconds). Per token: ~16 GFLOP of linear layers for an 8B model at
+# ~550 TFLOP/s; per pair: 4 * d_model * layers = 0.5 MFLOP of attention at ~400 TFLOP/s.
+FIXED_S = 0.005
+PER_TOKEN_S = 30e-6
+PER_PAIR_S = 1.3e-9
+
+# An 8B Llama-style config with a 128K context; only the scheduler and KV sizing read it.
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "max_position_embeddings": 131072, "vocab_size": 128256,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+    "bos_token_id": 128000, "eos_token_id": 128001,
+}
+BLOCK_SIZE = 16
+
+PARTIAL = dict(max_num_partial_prefills=4, max_long_partial_prefills=1,
+               long_prefill_token_threshold=8192)
+SRPF = dict(prefill_order="srpf", prefill_aging_s=30.0)
+TARGET = dict(max_step_latency_ms=60.0)
+CONFIGS: dict[str, dict] = {
+    "defaults": {},
+    "srpf": SRPF,
+    "partial": PARTIAL,
+    "60ms": TARGET,
+    "partial+srpf": PARTIAL | SRPF,
+    "partial+srpf+60ms": PARTIAL | SRPF | TARGET,
+}
+
+
+@dataclasses.dataclass
+class Arrival:
+    name: str
+    at_s: float
+    prompt_tokens: int
+    output_tokens: int
+    kind: str  # "background", "doc" or "chat"
+
+
+def workload(doc_tokens: int, num_chats: int, num_background: int) -> list[Arrival]:
+    """Background chats decoding from 0 s; at 0.5 s the document and, right behind it, a burst of
+    4 chats; the other chats every 0.5 s from 1 s."""
+    arrivals = [Arrival(f"bg{i}", 0.0, 256, 100_000, "background") for i in range(num_background)]
+    arrivals.append(Arrival("doc", 0.5, doc_tokens, 16, "doc"))
+    burst = min(4, num_chats)
+    arrivals += [Arrival(f"chat{i}", 0.5 + 1e-6 * (i + 1), 300, 32, "chat") for i in range(burst)]
+    arrivals += [Arrival(f"chat{i}", 1.0 + 0.5 * (i - burst), 300, 32, "chat")
+                 for i in range(burst, num_chats)]
+    return arrivals
+
+
+def attention_pairs(computed: int, new: int) -> int:
+    return new * computed + new * (new + 1) // 2
+
+
+def step_seconds(scheduler, output) -> float:
+    pairs = sum(attention_pairs(scheduler.requests[r].num_computed_tokens - n, n)
+                for r, n in output.num_scheduled_tokens.items())
+    return FIXED_S + PER_TOKEN_S * output.total_num_scheduled_tokens + PER_PAIR_S * pairs
+
+
+def make_scheduler(model_dir: str, max_num_batched_tokens: int, options: dict):
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
+                               max_model_len=MODEL_CONFIG["max_position_embeddings"])
+    scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=256,
+        max_model_len=model_config.max_model_len, is_encoder_decoder=False,
+        enable_chunked_prefill=True, async_scheduling=False, **options)
+    num_blocks = 60_000
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    cache_config.num_gpu_blocks = num_blocks
+    vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
+                             cache_config=cache_config)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+    register_all_kvcache_specs(vllm_config)
+    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                     structured_output_manager=StructuredOutputManager(vllm_config),
+                     block_size=BLOCK_SIZE, log_stats=False)
+
+
+class SimClock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def simulate(model_dir: str, max_num_batched_tokens: int, options: dict,
+             arrivals: list[Arrival], max_steps: int) -> dict:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    scheduler = make_scheduler(model_dir, max_num_batched_tokens, options)
+    clock = SimClock()
+    t0 = clock.now
+    # The patched scheduler's clocks (step timing, SRPF aging) run on simulated time.
+    for part in ("step_time", "waiting", "skipped_waiting"):
+        if hasattr(getattr(scheduler, part, None), "clock"):
+            getattr(scheduler, part).clock = clock
+
+    pending = sorted(arrivals, key=lambda a: a.at_s)
+    kinds = {a.name: a for a in arrivals}
+    first_scheduled: dict[str, float] = {}
+    first_token: dict[str, float] = {}
+    decode_steps: list[float] = []
+    stalls = 0
+    for _ in range(max_steps):
+        while pending and pending[0].at_s <= clock.now - t0:
+            a = pending.pop(0)
+            params = SamplingParams(max_tokens=a.output_tokens, ignore_eos=True)
+            scheduler.add_request(Request(
+                request_id=a.name, prompt_token_ids=[7] * a.prompt_tokens,
+                sampling_params=params, pooling_params=None, arrival_time=t0 + a.at_s))
+        if not scheduler.has_requests():
+            clock.now = t0 + pending[0].at_s
+            continue
+        decoding = {r.request_id for r in scheduler.running if not r.is_prefill_chunk
+                    and r.num_output_tokens > 0}
+        output = scheduler.schedule()
+        duration = step_seconds(scheduler, output)
+        clock.now += max(duration, 1e-4)
+        if decoding:
+            decode_steps.append(duration)
+            stalls += len(decoding - set(output.num_scheduled_tokens))
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for r in req_ids:
+            first_scheduled.setdefault(r, clock.now - duration - t0 - kinds[r].at_s)
+            done = not scheduler.requests[r].is_prefill_chunk
+            if done:
+                first_token.setdefault(r, clock.now - t0 - kinds[r].at_s)
+            sampled.append([1] if done else [])
+        scheduler.update_from_output(output, ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=[]))
+        chats = [a.name for a in arrivals if a.kind == "chat"]
+        if "doc" in first_token and all(c in first_token for c in chats):
+            break
+
+    chats = [a.name for a in arrivals if a.kind == "chat"]
+    ttfs = [first_scheduled[c] for c in chats if c in first_scheduled]
+    ttft = [first_token[c] for c in chats if c in first_token]
+    decode_steps.sort()
+    return {
+        "chat_ttfs_mean_ms": 1e3 * statistics.fmean(ttfs) if ttfs else None,
+        "chat_ttfs_max_ms": 1e3 * max(ttfs) if ttfs else None,
+        "chat_ttft_mean_ms": 1e3 * statistics.fmean(ttft) if ttft else None,
+        "chat_ttft_max_ms": 1e3 * max(ttft) if ttft else None,
+        "chats_done": f"{len(ttft)}/{len(chats)}",
+        "decode_step_p50_ms": 1e3 * decode_steps[len(decode_steps) // 2],
+        "decode_step_p99_ms": 1e3 * decode_steps[int(0.99 * (len(decode_steps) - 1))],
+        "decode_step_max_ms": 1e3 * decode_steps[-1],
+        "decode_stalls": stalls,
+        "doc_ttft_s": first_token.get("doc"),
+        "simulated_s": clock.now - t0,
+    }
+
+
+def fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.2f}" if v < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="all",
+                        help=f"comma-separated names from {', '.join(CONFIGS)}, or all")
+    parser.add_argument("--doc-tokens", type=int, default=128_000)
+    parser.add_argument("--chats", type=int, default=20)
+    parser.add_argument("--background", type=int, default=16, help="chats decoding throughout")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-steps", type=int, default=20_000)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    names = list(CONFIGS) if args.configs == "all" else args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    import vllm
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    # Nothing runs on a device; on a machine without one vLLM's platform would be "unspecified".
+    vllm.platforms.current_platform = CpuPlatform()
+    arrivals = workload(args.doc_tokens, args.chats, args.background)
+    results = {}
+    with tempfile.TemporaryDirectory() as model_dir:
+        (Path(model_dir) / "config.json").write_text(json.dumps(MODEL_CONFIG))
+        for name in names:
+            try:
+                results[name] = simulate(model_dir, args.max_num_batched_tokens, CONFIGS[name],
+                                         arrivals, args.max_steps)
+            except (TypeError, ValueError) as e:
+                if "unexpected keyword" not in str(e) and "Unexpected keyword" not in str(e):
+                    raise
+                results[name] = None
+                print(f"{name}: this vLLM ({vllm.__file__}) lacks an option of it: {e}",
+                      file=sys.stderr)
+
+    columns = ["chat_ttfs_mean_ms", "chat_ttfs_max_ms", "chat_ttft_mean_ms", "chat_ttft_max_ms",
+               "chats_done", "decode_step_p50_ms", "decode_step_p99_ms", "decode_step_max_ms",
+               "decode_stalls", "doc_ttft_s"]
+    print(f"workload: {args.background} chats decoding throughout; one {args.doc_tokens}-token "
+          f"document at 0.5 s with a burst of 4 chats right behind it, then chats every 0.5 s "
+          f"({args.chats} chats of 300 tokens in all); max_num_batched_tokens="
+          f"{args.max_num_batched_tokens}; vllm from {vllm.__file__}\n")
+    print("| config | " + " | ".join(columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for name, r in results.items():
+        cells = [fmt(r[c]) for c in columns] if r else ["n/a"] * len(columns)
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
