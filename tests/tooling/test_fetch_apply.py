@@ -12,9 +12,22 @@ from prefill_accel.cli import main
 from prefill_accel.tooling import registry
 from prefill_accel.tooling.apply import STAMP_NAME, apply
 from prefill_accel.tooling.errors import AlreadyApplied, OverlayConflict, PatchDoesNotApply
+from prefill_accel.tooling.series import Series
 from prefill_accel.tooling.targets import Targets
 
 from .conftest import QUIET, ROOT, TARGET_NAMES, fetched, tree_digest
+
+
+def patch_subject(path) -> str:
+    """The commit subject a git-format patch carries (its Subject header, unfolded)."""
+    lines = path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Subject: "))
+    folded = [lines[start]]
+    for line in lines[start + 1 :]:
+        if not line.startswith(" "):
+            break
+        folded.append(line)
+    return " ".join(part.strip() for part in folded).removeprefix("Subject: [PATCH] ")
 
 
 def git(tree, *args) -> str:
@@ -39,8 +52,9 @@ def test_apply_to_git_tree_commits_the_series_and_rejects_a_second_apply(targets
     tree = fetched(name, tmp_path / "tree")
     assert main(["apply", name, str(tree), "-q"]) == 0
     log = git(tree, "log", "--format=%s", f"{target.git_tag}..HEAD").splitlines()
-    assert log == [f"prefill-accel: overlay and build stamp for {name}",
-                   "Log the prefill-accel patch series at engine startup"]
+    subjects = [patch_subject(patch.path) for patch in Series(ROOT / "patches" / target.engine / target.version)]
+    assert subjects[0] == "Log the prefill-accel patch series at engine startup"
+    assert log == [f"prefill-accel: overlay and build stamp for {name}", *reversed(subjects)]
     stamp = json.loads((tree / target.package_path / STAMP_NAME).read_text())
     assert stamp["target"] == name and len(stamp["series_hash"]) == 12
     assert (tree / target.package_path / "prefill_accel_series.py").is_file()
