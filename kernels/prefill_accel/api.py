@@ -16,6 +16,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 _warned: set[str] = set()
+_cudnn_refused = False  # set once cuDNN attention raised: later dense batches use the kernel directly
 
 
 def _warn_once(reason: str) -> None:
@@ -107,7 +108,8 @@ def _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, layout, scale, out)
     Only fresh sequences qualify (cuDNN's causal mask is top-left aligned). Returns (out, lse), or
     None when the batch does not qualify or cuDNN refuses the inputs.
     """
-    if not q.is_cuda or any(p != 0 for p in layout.prefix_lens) or "cudnn" in _warned:
+    global _cudnn_refused
+    if not q.is_cuda or any(p != 0 for p in layout.prefix_lens) or _cudnn_refused:
         return None
     group = q.shape[1] // k_cache.shape[2]
     result_out = torch.empty_like(q) if out is None else out
@@ -127,8 +129,13 @@ def _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, layout, scale, out)
                 lse[:, rows] = seq_lse.view(q.shape[1], -1)[:, :length]
             start += length
     except (RuntimeError, AttributeError) as error:
-        _warn_once(f"cuDNN attention unavailable ({error.__class__.__name__}: {error})")
-        _warned.add("cudnn")
+        _cudnn_refused = True
+        warnings.warn(
+            f"prefill_accel: cuDNN attention unavailable ({error.__class__.__name__}: {error}); "
+            "dense batches use the Triton kernel",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return None
     return result_out, lse
 
@@ -175,7 +182,7 @@ def sparse_prefill_attention(
     from . import triton_kernels
 
     layout = BatchLayout.build(cu_seqlens_q, seqlens_k, config, q.device)
-    if bool(layout.qblock_dense.all()):
+    if layout.all_dense:
         result = _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, layout, scale, out)
         if result is not None:
             return result

@@ -30,6 +30,8 @@ class BatchLayout:
     """(total_q_blocks,) int8: 1 where the query block is computed over every causal key block."""
     seq_qblock_start: tuple[int, ...]
     """First global query block of each sequence; the last entry is the total."""
+    all_dense: bool
+    """Every query block is dense, so no search is needed (known on the host, no device read)."""
 
     @property
     def batch(self) -> int:
@@ -89,6 +91,7 @@ class BatchLayout:
             qblock_pos=as_tensor(positions, torch.int32),
             qblock_dense=as_tensor(dense, torch.int8),
             seq_qblock_start=tuple(starts),
+            all_dense=all(dense),
         )
 
 
