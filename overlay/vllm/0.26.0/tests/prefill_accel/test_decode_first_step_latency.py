@@ -7,7 +7,7 @@ schedule() and update_from_output(), so the step times the scheduler measures ar
 import math
 
 import pytest
-from scheduler_harness import make_request, make_scheduler, run_step
+from scheduler_harness import BLOCK_SIZE, make_request, make_scheduler, run_step
 
 
 def test_decode_is_not_pushed_out_by_a_prefill_ahead_of_it():
@@ -29,17 +29,25 @@ def test_decode_is_not_pushed_out_by_a_prefill_ahead_of_it():
 
 
 class FakeGpu:
-    """A clock that a step advances by fixed + per_token * tokens seconds."""
+    """A clock that a step advances by fixed + per_token * tokens + per_pair * attention pairs seconds."""
 
-    def __init__(self, fixed_s: float, per_token_s: float) -> None:
+    def __init__(self, fixed_s: float, per_token_s: float, per_pair_s: float = 0.0, scheduler=None) -> None:
         self.now = 1000.0
-        self.fixed_s, self.per_token_s = fixed_s, per_token_s
+        self.fixed_s, self.per_token_s, self.per_pair_s = fixed_s, per_token_s, per_pair_s
+        self.scheduler = scheduler
 
     def __call__(self) -> float:
         return self.now
 
     def run(self, output) -> None:
-        self.now += self.fixed_s + self.per_token_s * output.total_num_scheduled_tokens
+        pairs = 0
+        if self.per_pair_s:
+            from vllm.v1.core.sched.step_time import attention_pairs
+
+            for req_id, n in output.num_scheduled_tokens.items():
+                # schedule() has already advanced num_computed_tokens past this step's chunk.
+                pairs += attention_pairs(self.scheduler.requests[req_id].num_computed_tokens - n, n)
+        self.now += self.fixed_s + self.per_token_s * output.total_num_scheduled_tokens + self.per_pair_s * pairs
 
 
 def test_step_latency_target_limits_prefill_tokens_next_to_decodes():
@@ -71,6 +79,53 @@ def test_step_latency_target_limits_prefill_tokens_next_to_decodes():
     assert all(0.99 * best_chunk <= c <= best_chunk for c in doc_chunks[:-1])
 
 
+def test_step_latency_charges_a_short_prompt_its_own_cost_next_to_a_long_prefill():
+    # Attention dominates late chunks of the document: at ~1200 tokens of context a chunk token
+    # costs ~130 us, a token of a fresh 64-token chat ~13 us. The step's time is shared by cost.
+    target_ms = 12.0
+    scheduler = make_scheduler(
+        max_num_batched_tokens=512, max_step_latency_ms=target_ms,
+        max_num_partial_prefills=2, long_prefill_token_threshold=256,
+    )  # fmt: skip
+    gpu = FakeGpu(fixed_s=0.002, per_token_s=10e-6, per_pair_s=100e-9, scheduler=scheduler)
+    scheduler.step_time.clock = gpu
+    for i in range(4):
+        scheduler.add_request(make_request(f"chat{i}", 32, max_tokens=400))
+    for _ in range(6):
+        run_step(scheduler, gpu.run)
+    scheduler.add_request(make_request("doc", 2000, max_tokens=1))
+    while scheduler.requests["doc"].num_computed_tokens < 1200:
+        run_step(scheduler, gpu.run)
+
+    scheduler.add_request(make_request("late", 64, max_tokens=4))
+    before = gpu.now
+    step = run_step(scheduler, gpu.run)
+    # The whole chat prompt fits next to the decodes and a (smaller) document chunk.
+    assert step.num_scheduled_tokens["late"] == 64
+    assert 0 < step.num_scheduled_tokens["doc"] < 100
+    assert gpu.now - before <= target_ms / 1e3 * 1.05
+
+
+def test_every_partial_prefill_keeps_a_floor_when_decodes_alone_exceed_the_target():
+    # A 5 ms target next to decode steps that take 10 ms: no time is left for prefills, yet the
+    # running document and a newly arrived chat both advance by one KV block per step.
+    scheduler = make_scheduler(
+        max_num_batched_tokens=512, max_step_latency_ms=5.0,
+        max_num_partial_prefills=2, long_prefill_token_threshold=256,
+    )  # fmt: skip
+    gpu = FakeGpu(fixed_s=0.010, per_token_s=10e-6)
+    scheduler.step_time.clock = gpu
+    scheduler.add_request(make_request("chat0", 32, max_tokens=400))
+    for _ in range(6):
+        run_step(scheduler, gpu.run)
+    scheduler.add_request(make_request("doc", 2000, max_tokens=1))
+    run_step(scheduler, gpu.run)
+    scheduler.add_request(make_request("late", 64, max_tokens=4))
+    step = run_step(scheduler, gpu.run)
+    assert step.num_scheduled_tokens["doc"] == BLOCK_SIZE
+    assert step.num_scheduled_tokens["late"] == BLOCK_SIZE
+
+
 def test_without_a_target_prefill_uses_the_whole_budget_left_by_decodes():
     # A guard, not a new behaviour: without a target nothing but decodes limits prefill.
     scheduler = make_scheduler(max_num_batched_tokens=2048)
@@ -94,11 +149,13 @@ def test_step_time_model_fits_fixed_token_and_attention_costs():
     assert model.coefficients == pytest.approx((c0, c1, c2), rel=1e-3)
 
     # The largest chunk at 64K context that, next to 8 decodes, keeps a step within 50 ms.
-    chunk = model.max_prefill_tokens(0.050, 8, 8 * 4096, 65536)
+    slack = 0.050 - model.predict(8, 8 * 4096)
+    chunk = model.max_chunk(slack, 65536)
     def predicted(n):
         return model.predict(8 + n, 8 * 4096 + attention_pairs(65536, n))
     assert 0 < chunk < 2048
     assert predicted(chunk) <= 0.050 < predicted(chunk + 1)
+    assert model.chunk_seconds(chunk, 65536) == pytest.approx(predicted(chunk) - predicted(0))
 
 
 def test_cli_accepts_max_step_latency_ms():

@@ -18,12 +18,15 @@ never enforced them; this module does, for the scheduler's two loops:
 
 Limits apply when `max_num_partial_prefills > 1` (as in V0). In every mode the object also
 enforces the step's total prefill budget given to `begin_step` (the scheduler passes what is
-left after running decodes, further limited by a step latency target when one is set).
+left after running decodes) and, with a step latency target, the step's prefill time
+(`step_time.py`): each chunk is charged its own cost, and with limits on, the time is shared
+max-min fairly like the tokens, so a long prompt's chunk cannot take it all either.
 """
 
 from collections.abc import Iterable
 
 from vllm.config import SchedulerConfig
+from vllm.v1.core.sched.step_time import StepTimeBudget
 from vllm.v1.request import Request
 
 
@@ -33,8 +36,9 @@ def remaining_prefill_tokens(request: Request) -> int:
     return max(request.num_tokens - request.num_computed_tokens, 0)
 
 
-def water_level(demands: list[int], budget: int) -> int:
-    """Largest per-prefill cap L with sum(min(d, L) for d in demands) <= budget.
+def water_level(demands: list, budget):
+    """Largest per-prefill cap L with sum(min(d, L) for d in demands) <= budget (tokens as
+    ints, or seconds as floats).
 
     With enough budget for every demand, L is the largest demand (nobody is capped).
     """
@@ -43,7 +47,7 @@ def water_level(demands: list[int], budget: int) -> int:
     left, count = budget, len(demands)
     for demand in sorted(demands):
         if demand * count > left:
-            return left // count
+            return left / count if isinstance(left, float) else left // count
         left -= demand
         count -= 1
     return max(demands)
@@ -65,6 +69,8 @@ class PrefillBudget:
         self.limits_enabled = self.max_partial > 1
         self._tokens_left = 0
         self._level: int | None = None
+        self._limiter: StepTimeBudget | None = None
+        self._seconds_level: float | None = None
         self._num_partial = 0
         self._num_long_partial = 0
 
@@ -82,17 +88,21 @@ class PrefillBudget:
         running: Iterable[Request],
         waiting_queues: Iterable[Iterable[Request]],
         prefill_tokens: int,
+        limiter: StepTimeBudget | None = None,
     ) -> None:
-        """Start a step whose prefills may use at most `prefill_tokens` tokens in total."""
+        """Start a step whose prefills may use at most `prefill_tokens` tokens in total, and the
+        step's prefill time under `limiter`'s latency target when it has one."""
         self._tokens_left = max(prefill_tokens, 0)
         self._level = None
+        self._limiter = limiter if limiter is not None and limiter.seconds_left is not None else None
+        self._seconds_level = None
         if not self.limits_enabled:
             return
         prefilling = [r for r in running if r.is_prefill_chunk]
         self._num_partial = len(prefilling)
         self._num_long_partial = sum(self.is_long(r) for r in prefilling)
         # The waiting requests this step would admit, in queue order, to size the shares.
-        demands = [self._chunk_demand(r) for r in prefilling]
+        expected = list(prefilling)
         free = self.max_partial - self._num_partial
         free_long = self.max_long_partial - self._num_long_partial
         for queue in waiting_queues:
@@ -104,8 +114,12 @@ class PrefillBudget:
                         continue
                     free_long -= 1
                 free -= 1
-                demands.append(self._chunk_demand(request))
+                expected.append(request)
+        demands = [self._chunk_demand(r) for r in expected]
         self._level = water_level(demands, self._tokens_left)
+        if self._limiter is not None:
+            seconds = [self._limiter.chunk_seconds(r, min(d, self._level)) for r, d in zip(expected, demands)]
+            self._seconds_level = water_level(seconds, max(self._limiter.seconds_left, 0.0))
 
     def admission(self, request: Request) -> str:
         """ADMIT, SKIP (a long request while the long slots are taken) or STOP (no slot, or
@@ -120,16 +134,20 @@ class PrefillBudget:
             return self.SKIP
         return self.ADMIT
 
-    def cap(self, num_new_tokens: int) -> int:
-        """The prefill chunk size allowed for a request that asks for `num_new_tokens`."""
+    def cap(self, request: Request, num_new_tokens: int) -> int:
+        """The prefill chunk size allowed for `request`, which asks for `num_new_tokens`."""
         allowed = min(num_new_tokens, self._tokens_left)
         if self._level is not None:
             allowed = min(allowed, max(self._level, 1))
+        if self._limiter is not None:
+            allowed = self._limiter.limit(request, allowed, self._seconds_level, floor_each=self.limits_enabled)
         return allowed
 
     def consume(self, request: Request, num_tokens: int, admitted: bool) -> None:
         """Record a scheduled prefill chunk; `admitted` for a request taken from waiting."""
         self._tokens_left = max(self._tokens_left - num_tokens, 0)
+        if self._limiter is not None:
+            self._limiter.consume(request, num_tokens)
         if admitted and self.limits_enabled:
             self._num_partial += 1
             self._num_long_partial += self.is_long(request)

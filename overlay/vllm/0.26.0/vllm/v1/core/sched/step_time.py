@@ -6,8 +6,8 @@ before any prefill chunk is sized, so a long prefill earlier in the running list
 push decodes out of a step.
 
 Step latency target (`--max-step-latency-ms`): the scheduler never sees GPU time, so it learns
-a cost model from the wall time of the steps it schedules and sizes the step's prefill tokens
-so the predicted step time stays within the target. The model of one step is
+a cost model from the wall time of the steps it schedules and sizes prefill chunks so the
+predicted step time stays within the target. The model of one step is
 
     t = c0 + c1 * T + c2 * P
 
@@ -15,6 +15,12 @@ so the predicted step time stays within the target. The model of one step is
     P  attention pairs: a chunk of q tokens after c computed tokens attends to
        q*c + q*(q+1)/2 keys; a decode (q = 1) reads its c + 1 keys
     c0 fixed cost per step (launches, CPU scheduling, sampling)
+
+The time the decodes leave within the target is spent chunk by chunk, each chunk charged its
+own cost, c1 * q + c2 * pairs over *its* request's context: a chat prompt that arrives while a
+128K document prefills costs what a chat prompt costs, not what a chunk at the document's
+context would. With concurrent partial prefills (`prefill_budget.py`) the time is shared
+max-min fairly among the step's prefills, so the document's chunk cannot use it all.
 
 The quadratic attention term is what keeps the model honest on long prompts: for an 8B model
 the attention FLOPs per token overtake the linear layers' beyond ~32K tokens of context, so
@@ -28,8 +34,9 @@ earlier than the previous update_from_output(): with a batch queue (async schedu
 starts running when the one before it finished, not when it was scheduled. Until
 `WARMUP_STEPS` steps have been seen, or while no decode is running (nobody's inter-token
 latency is at stake), prefills are not capped by the target. When the decodes alone are
-predicted to exceed the target, prefills still get `min_prefill_tokens` per step so they
-cannot starve.
+predicted to exceed the target, prefill chunks still get `min_prefill_tokens` (the step's first
+one, or each one when partial-prefill limits bound their number) so prefills cannot starve,
+and a warning says the target is below what the decodes alone take.
 """
 
 import math
@@ -37,6 +44,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from vllm.logger import init_logger
 from vllm.v1.request import Request
 
 # Weight of older steps per new step: ~20 steps of memory, quick enough to follow a prefill
@@ -48,6 +56,10 @@ WARMUP_STEPS = 4
 RIDGE = 1e-9
 # Scheduled steps waiting for their output; more than the deepest batch queue in use.
 MAX_IN_FLIGHT_STEPS = 8
+# Consecutive steps whose decodes alone exceed the target before that is reported.
+UNREACHABLE_STEPS = 100
+
+logger = init_logger(__name__)
 
 
 def decode_tokens(request: Request, step: int) -> int:
@@ -131,22 +143,23 @@ class StepTimeModel:
         c0, c1, c2 = self.coefficients
         return c0 + c1 * tokens + c2 * pairs
 
-    def max_prefill_tokens(
-        self, target_s: float, tokens: int, pairs: int, context: int
-    ) -> int | None:
-        """Largest prefill chunk x at `context` computed tokens that, added to a step already
-        holding `tokens` / `pairs`, keeps the prediction within target_s; None if unbounded.
-        Solves c2/2 x^2 + (c1 + c2 (context + 1/2)) x + (predict(tokens, pairs) - target) <= 0.
-        """
+    def chunk_seconds(self, num_tokens: int, context: int) -> float:
+        """Predicted time a prefill chunk of num_tokens after `context` computed tokens adds to a step."""
         _, c1, c2 = self.coefficients
-        slack = target_s - self.predict(tokens, pairs)
-        if slack <= 0.0:
+        return c1 * num_tokens + c2 * attention_pairs(context, num_tokens)
+
+    def max_chunk(self, seconds: float, context: int) -> int | None:
+        """Largest chunk x at `context` computed tokens with chunk_seconds(x, context) <= seconds;
+        None when unbounded (no cost learnt). Solves c2/2 x^2 + (c1 + c2 (context + 1/2)) x <= seconds.
+        """
+        if seconds <= 0.0:
             return 0
+        _, c1, c2 = self.coefficients
         a, b = c2 / 2.0, c1 + c2 * (context + 0.5)
         if a > 0.0:
-            return int((-b + math.sqrt(b * b + 4.0 * a * slack)) / (2.0 * a))
+            return int((-b + math.sqrt(b * b + 4.0 * a * seconds)) / (2.0 * a))
         if b > 0.0:
-            return int(slack / b)
+            return int(seconds / b)
         return None
 
 
@@ -174,33 +187,80 @@ class StepTimeBudget:
         )
         self._step_start = 0.0
         self._last_output_at = -math.inf
+        self._seconds_left: float | None = None
+        self._prefill_granted = 0
+        self._steps_over_target = 0
+        self._warned = False
 
     def begin_step(self, running: Iterable[Request], token_budget: int, step: int) -> int:
         """Start timing a step; return the tokens its prefills may use.
 
         Running decodes are served first: their tokens are reserved off the budget. With a
-        target, prefills get what keeps the predicted step time within it, computed for the
-        longest context among running prefills (a conservative bound for every chunk).
+        target, the time the decodes leave within it becomes the step's prefill time, spent
+        through `limit` and `consume`.
         """
         self._step_start = self.clock()
+        self._seconds_left = None
+        self._prefill_granted = 0
         decode_tokens_total = pairs = 0
-        prefill_context = 0
         for request in running:
             if request.is_prefill_chunk:
-                prefill_context = max(prefill_context, request.num_computed_tokens)
                 continue
             n = decode_tokens(request, step)
             decode_tokens_total += n
             pairs += attention_pairs(request.num_computed_tokens, n)
-        prefill_tokens = max(token_budget - decode_tokens_total, 0)
-        if self.target_s is None or decode_tokens_total == 0 or not self.model.ready:
-            return prefill_tokens
-        allowed = self.model.max_prefill_tokens(
-            self.target_s, decode_tokens_total, pairs, prefill_context
-        )
+        if self.target_s is not None and decode_tokens_total and self.model.ready:
+            self._seconds_left = self.target_s - self.model.predict(decode_tokens_total, pairs)
+            self._warn_if_target_unreachable()
+        return max(token_budget - decode_tokens_total, 0)
+
+    def _warn_if_target_unreachable(self) -> None:
+        """Say once when the decodes alone keep exceeding the target: prefills then get only the
+        floor per step, which is a misconfiguration rather than a policy."""
+        self._steps_over_target = self._steps_over_target + 1 if self._seconds_left <= 0.0 else 0
+        if self._steps_over_target == UNREACHABLE_STEPS and not self._warned:
+            self._warned = True
+            logger.warning(
+                "--max-step-latency-ms %.1f is below the predicted time of the running decodes alone "
+                "(%.1f ms over %d steps); prefills get only %d tokens per request per step. Raise the target.",
+                self.target_s * 1e3, (self.target_s - self._seconds_left) * 1e3, UNREACHABLE_STEPS,
+                self.min_prefill_tokens,
+            )
+
+    @property
+    def seconds_left(self) -> float | None:
+        """Prefill time left in this step under the target; None when prefills are not timed."""
+        return self._seconds_left
+
+    def limit(
+        self, request: Request, num_new_tokens: int, seconds: float | None = None, floor_each: bool = False
+    ) -> int:
+        """How much of a prefill chunk of num_new_tokens for `request` fits the step's time left
+        (or `seconds`, a share of it), charged at the request's own context.
+
+        Floor: the step's first prefill chunk, or with `floor_each` every prefill chunk (the caller
+        bounds how many there are), gets at least `min_prefill_tokens`, so no prefill starves
+        when the decodes alone use up the target.
+        """
+        if self._seconds_left is None:
+            return num_new_tokens
+        available = self._seconds_left if seconds is None else min(seconds, self._seconds_left)
+        allowed = self.model.max_chunk(available, request.num_computed_tokens)
         if allowed is None:
-            return prefill_tokens
-        return min(prefill_tokens, max(allowed, self.min_prefill_tokens))
+            return num_new_tokens
+        if floor_each or self._prefill_granted == 0:
+            allowed = max(allowed, self.min_prefill_tokens)
+        return min(num_new_tokens, allowed)
+
+    def chunk_seconds(self, request: Request, num_tokens: int) -> float:
+        return self.model.chunk_seconds(num_tokens, request.num_computed_tokens)
+
+    def consume(self, request: Request, num_tokens: int) -> None:
+        """Charge a scheduled prefill chunk to the step's time (before num_computed_tokens moves)."""
+        if self._seconds_left is None or num_tokens <= 0:
+            return
+        self._seconds_left -= self.chunk_seconds(request, num_tokens)
+        self._prefill_granted += num_tokens
 
     def end_step(self, scheduler_output: object, requests: dict[str, Request]) -> None:
         """Remember what a scheduled step holds, to fit its wall time when its output comes.

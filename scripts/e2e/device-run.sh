@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# On the GPU machine: reassemble the pieces of scripts/e2e/stage.sh from /tmp/stage, install upstream
+# vLLM into /tmp/site and the patched copy into /tmp/site-patched, convert the models into /tmp/hf, then
+# run scripts/e2e/vllm_e2e.py with the given arguments. Runs from a private copy of the checkout, so a
+# later device call that refreshes the checkout cannot change it mid-run.
+#
+# Usage: bash scripts/e2e/device-run.sh [vllm_e2e.py ARGS...]        (one run at a time)
+#   setsid nohup bash scripts/e2e/device-run.sh --phases offline,serve,tp >/tmp/e2e/run.log 2>&1 &
+# then, in later calls: bash scripts/e2e/device-wait.sh SECONDS   (copies results into $OUT)
+# Results: /tmp/e2e/out (results-*.json, report-*.md), engine logs in /tmp/e2e/logs, done-marker /tmp/e2e/done.
+set -euo pipefail
+mkdir -p /tmp/e2e/out /tmp/e2e/logs
+rm -f /tmp/e2e/done
+trap 'echo "exit $?" > /tmp/e2e/done' EXIT
+rm -rf /tmp/e2e/repo && cp -a "$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)" /tmp/e2e/repo
+cd /tmp/e2e/repo
+rm -rf .device  # the carried piece, if any, is already in /tmp/stage
+
+if [[ ! -f /tmp/site/.installed ]]; then
+  echo "== assembling $(ls /tmp/stage/piece.* | wc -l) pieces"
+  rm -rf /tmp/bundle && mkdir -p /tmp/bundle
+  cat /tmp/stage/piece.* | tar xf - -C /tmp/bundle
+  (cd /tmp/bundle && grep -v " ./SHA256SUMS$" SHA256SUMS | sha256sum --quiet -c -)
+  echo "== installing vLLM and its missing imports into /tmp/site"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/bundle/wheels/*.whl &
+  install=$!
+  echo "== converting the GGUF models into /tmp/hf"
+  mkdir -p /tmp/bundle/gguf-only
+  python3 -m pip install -q --no-index --no-deps --target /tmp/bundle/gguf-only /tmp/bundle/wheels/gguf-*.whl
+  PYTHONPATH=/tmp/bundle/gguf-only PREFILL_ACCEL_CACHE=/tmp/bundle/cache python3 scripts/e2e/convert_models.py /tmp/hf
+  wait $install
+  rm -rf /tmp/site-patched && mkdir -p /tmp/site-patched
+  cp -a /tmp/site/vllm /tmp/site-patched/vllm
+  tar xf /tmp/bundle/vllm-patched.tar -C /tmp/site-patched
+  touch /tmp/site/.installed
+fi
+for side in /tmp/site "/tmp/site-patched:/tmp/site:$PWD/kernels"; do
+  PYTHONPATH=$side python3 -c "import vllm, vllm.config.attention as a; print('vllm', vllm.__version__, vllm.__file__, 'sparse flags:', hasattr(a.AttentionConfig, 'sparse_prefill_threshold'))"
+done
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+echo "== vllm_e2e.py $*"
+E2E_LOGS=/tmp/e2e/logs PYTHONUNBUFFERED=1 python3 scripts/e2e/vllm_e2e.py --out /tmp/e2e/out "$@"

@@ -1,0 +1,662 @@
+"""End-to-end check and timing of prefill-accel in vLLM 0.26.0 against upstream vLLM, on the GPU machine.
+
+Run after scripts/e2e/device-setup.sh has installed upstream vLLM into $E2E_SITE (default /tmp/site),
+the patched copy into $E2E_PATCHED (default /tmp/site-patched) and the converted models into
+$E2E_MODELS (default /tmp/hf/{smollm2,gemma3}). Every engine runs in its own process under the Python
+path of its side; the driver alternates requests between the two sides of a pair, so each ratio is
+measured side by side in one run, on the same GPU.
+
+Phases (--phases, comma separated):
+  offline  GPU 0: greedy tokens at threshold 0 equal to upstream (SmolLM2; mixed batch, chunked
+           prefill, prefix-cache hit); Gemma 3 needles 8K-32K, default thresholds; TTFT of the
+           offline LLM at 8K-128K (SmolLM2, default config), median of --repeats.
+  serve    GPU 1 (GPU 0 on a one-GPU machine): TTFT through `vllm serve` with streaming at 8K-128K;
+           the mixed load (one long request + a stream of short chats), upstream defaults against our
+           scheduler flags, each also unloaded.
+  tp       both GPUs: Gemma 3 with tensor parallel 2, greedy tokens at threshold 0 equal to upstream
+           TP=2, and the 128K TTFT ratio.
+Results: --out DIR/results.json (every number) and the tables printed at the end (markdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import select
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "kernels"))
+
+from prefill_accel.accuracy.needle import build_prompts, parse_answer  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402  (imported here: a lazy import from two threads races)
+
+SITE = os.environ.get("E2E_SITE", "/tmp/site")
+PATCHED = os.environ.get("E2E_PATCHED", "/tmp/site-patched")
+MODELS = Path(os.environ.get("E2E_MODELS", "/tmp/hf"))
+LOGS = Path(os.environ.get("E2E_LOGS", "/tmp/e2e-logs"))
+KV_BYTES = 8 << 30
+GPU_UTIL = 0.12  # only the start-up free-memory check reads it: the KV cache size is fixed by KV_BYTES
+LONG_LEN = 131072 + 1024  # max_model_len for the long-context runs (beyond SmolLM2's 8K: speed only)
+PRINT_LOCK = threading.Lock()
+RESULTS_LOCK = threading.Lock()
+OUT_DIR = Path(".")
+
+
+def say(*parts) -> None:
+    with PRINT_LOCK:
+        print(time.strftime("%H:%M:%S"), *parts, flush=True)
+
+
+def side_env(side: str, gpus: str) -> dict[str, str]:
+    env = dict(os.environ)
+    path = [SITE] if side == "upstream" else [PATCHED, SITE, str(ROOT / "kernels")]
+    env.update(
+        PYTHONPATH=":".join(path),
+        CUDA_VISIBLE_DEVICES=gpus,
+        VLLM_USE_FLASHINFER_SAMPLER="0",
+        VLLM_ALLOW_LONG_MAX_MODEL_LEN="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------------------------- engines
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class Worker:
+    """An offline vLLM engine in its own process (scripts/e2e/engine_worker.py)."""
+
+    def __init__(self, name: str, side: str, gpus: str, engine: dict, timeout: float = 420.0):
+        self.name, self.side = name, side
+        self.log = LOGS / f"{name}.log"
+        read_fd, write_fd = os.pipe()
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("engine_worker.py")), "--engine", json.dumps(engine),
+                 "--reply-fd", str(write_fd)],
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=side_env(side, gpus),
+                pass_fds=(write_fd,), text=True,
+            )  # fmt: skip
+        os.close(write_fd)
+        self.replies = os.fdopen(read_fd, "r")
+        ready = self._reply(timeout)
+        self.startup_seconds = ready["startup_seconds"]
+        say(f"{name} ({side}) ready in {self.startup_seconds:.0f} s")
+
+    def _reply(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            readable, _, _ = select.select([self.replies], [], [], 5.0)
+            if readable:
+                line = self.replies.readline()
+                if line:
+                    return json.loads(line)
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise EngineError(f"{self.name} ({self.side}) died or timed out; log tail:\n{log_tail(self.log)}")
+
+    def call(self, timeout: float = 300.0, **command) -> dict:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._reply(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"op": "exit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self.replies.close()
+
+
+class Server:
+    """`vllm serve` in its own process."""
+
+    def __init__(self, name: str, side: str, gpus: str, model: Path, port: int, args: list[str]):
+        self.name, self.side, self.port, self.model = name, side, port, str(model)
+        self.log = LOGS / f"{name}.log"
+        self.args = args
+        command = [sys.executable, "-c", "from vllm.entrypoints.cli.main import main; main()", "serve", str(model),
+                   "--port", str(port), "--dtype", "bfloat16", "--seed", "0", "--kv-cache-memory-bytes", str(KV_BYTES),
+                   "--gpu-memory-utilization", str(GPU_UTIL), "--max-model-len", str(LONG_LEN),
+                   "--hf-overrides", json.dumps({"max_position_embeddings": LONG_LEN}),
+                   *args]  # fmt: skip
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=side_env(side, gpus))
+        self.started = time.monotonic()
+
+    def wait_ready(self, timeout: float = 420.0) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineError(f"{self.name} ({self.side}) exited; log tail:\n{log_tail(self.log)}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        self.startup_seconds = time.monotonic() - self.started
+                        say(f"{self.name} ({self.side}) serving on :{self.port} after {self.startup_seconds:.0f} s")
+                        return
+            except OSError:
+                pass
+            time.sleep(2)
+        self.proc.kill()
+        raise EngineError(f"{self.name} ({self.side}) not ready in {timeout:.0f} s; log tail:\n{log_tail(self.log)}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def engine_kwargs(model: str, *, max_model_len: int, chunk: int, eager: bool, tp: int = 1, **extra) -> dict:
+    kwargs = dict(
+        model=str(MODELS / model), dtype="bfloat16", seed=0, max_model_len=max_model_len,
+        max_num_batched_tokens=chunk, enable_prefix_caching=True, kv_cache_memory_bytes=KV_BYTES,
+        gpu_memory_utilization=GPU_UTIL, enforce_eager=eager, tensor_parallel_size=tp,
+    )  # fmt: skip
+    if max_model_len > 32768:
+        # Past the model's trained length (speed runs only): size the rotary table for it too.
+        kwargs["hf_overrides"] = {"max_position_embeddings": max_model_len}
+    kwargs.update(extra)
+    return kwargs
+
+
+def sparse(**flags) -> dict:
+    """Engine kwargs that select the SPARSE_PREFILL backend with the given --sparse-prefill-* values."""
+    return {"attention_backend": "SPARSE_PREFILL", **{f"sparse_prefill_{k}": v for k, v in flags.items()}}
+
+
+# --------------------------------------------------------------------------------------------- prompts
+
+
+class Corpus:
+    """Real text for long prompts: the Python sources of the installed torch package, tokenized."""
+
+    def __init__(self, tokenizer, min_tokens: int):
+        import torch
+
+        files = sorted(Path(torch.__file__).parent.rglob("*.py"))
+        chunks, total = [], 0
+        for path in files:
+            text = path.read_text(errors="replace")
+            chunks.append(f"# file: {path.name}\n{text}\n")
+            total += len(text) // 3
+            if total > 2 * min_tokens:
+                break
+        self.ids = tokenizer("".join(chunks), add_special_tokens=False).input_ids
+        if len(self.ids) < min_tokens:
+            raise RuntimeError(f"corpus has {len(self.ids)} tokens, fewer than {min_tokens}")
+
+    def window(self, length: int, index: int) -> list[int]:
+        """A prompt of ``length`` tokens; windows of different ``index`` start at different tokens, so none
+        reuses another's cached prefix."""
+        start = (index * 7919) % max(len(self.ids) - length, 1)
+        return self.ids[start : start + length]
+
+
+def tokenizer_for(model: str):
+    return AutoTokenizer.from_pretrained(MODELS / model)
+
+
+def chat_prompt(tokenizer, corpus: Corpus, rng: random.Random, length: int, index: int) -> list[int]:
+    """A short chat request: a code snippet of about ``length`` tokens and a question about it."""
+    snippet = tokenizer.decode(corpus.window(length, 10_000 + index))
+    messages = [{"role": "user", "content": f"Explain what this code does:\n{snippet}"}]
+    return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+
+
+# --------------------------------------------------------------------------------------------- stats
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def compare_tokens(upstream: dict, patched: dict) -> list[dict]:
+    """Per prompt: equal or not, the first differing position and upstream's top-1/top-2 logprob margin there."""
+    rows = []
+    for i, (a, b) in enumerate(zip(upstream["tokens"], patched["tokens"])):
+        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if first is None and len(a) != len(b):
+            first = min(len(a), len(b))
+        row = {"prompt": i, "equal": first is None, "tokens": len(a), "first_diff": first}
+        tops = upstream.get("top")
+        if first is not None and tops and tops[i] and first < len(tops[i]) and len(tops[i][first]) > 1:
+            row["upstream_margin"] = tops[i][first][0][1] - tops[i][first][1][1]
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- offline
+
+
+def pair(name: str, gpus: str, upstream: dict, patched: dict) -> tuple[Worker, Worker]:
+    up = Worker(f"{name}-upstream", "upstream", gpus, upstream)
+    try:
+        return up, Worker(f"{name}-patched", "patched", gpus, patched)
+    except Exception:
+        up.close()
+        raise
+
+
+def equality_stage(results: dict, gpus: str, model: str, tp: int, tag: str) -> None:
+    """Greedy tokens at threshold 0: one mixed batch (long prompts chunked, short ones, decodes), then a
+    prompt whose first 3072 tokens hit the prefix cache so its continuation chunk is computed sparse."""
+    tok = tokenizer_for(model)
+    corpus = Corpus(tok, 40_000)
+    max_len = 8192 if model == "smollm2" else 32768
+    lengths = [1500, 3000, 6000, max_len - 64]
+    longs = [build_prompts(tok, n, [0.3 + 0.1 * i], seed=i)[0].input_ids for i, n in enumerate(lengths)]
+    shorts = [corpus.window(100 + 60 * i, 50 + i) for i in range(6)]
+    base = dict(max_model_len=max_len, chunk=2048, eager=True, tp=tp)
+    up, pa = pair(f"{tag}-eq", gpus, engine_kwargs(model, **base),
+                  engine_kwargs(model, **base, **sparse(threshold=0.0, min_len=512)))  # fmt: skip
+    try:
+        batch = longs + shorts
+        out = {side: w.call(op="generate", prompts=batch, max_tokens=32, logprobs=2) for side, w in (("u", up), ("p", pa))}
+        rows = compare_tokens(out["u"], out["p"])
+        prefix = corpus.window(3072, 3)
+        first, second = prefix + corpus.window(900, 4), prefix + corpus.window(1500, 5)
+        cache = {}
+        for side, w in (("u", up), ("p", pa)):
+            w.call(op="generate", prompts=[first], max_tokens=1)
+            cache[side] = w.call(op="generate", prompts=[second], max_tokens=32, logprobs=2)
+        rows += [dict(r, prompt="prefix-cache hit") for r in compare_tokens(cache["u"], cache["p"])]
+        for row, n in zip(rows, [len(p) for p in batch] + [len(second)]):
+            row["prompt_tokens"] = n
+        results[f"{tag}_greedy_threshold0"] = {
+            "model": model, "tp": tp, "equal": sum(r["equal"] for r in rows), "prompts": len(rows), "rows": rows,
+            "engine": "chunked prefill 2048, prefix caching on, patched --sparse-prefill-min-len 512",
+        }  # fmt: skip
+        say(f"{tag} greedy threshold 0: {sum(r['equal'] for r in rows)}/{len(rows)} prompts equal; "
+            f"differing: {[r for r in rows if not r['equal']]}")
+    finally:
+        up.close()
+        pa.close()
+
+
+def needle_stage(results: dict, gpus: str) -> None:
+    tok = tokenizer_for("gemma3")
+    lengths, depths = [8192, 16384, 24576, 32768 - 32], [0.1, 0.3, 0.5, 0.7, 0.9]
+    base = dict(max_model_len=32768, chunk=16384, eager=True)
+    up, pa = pair("gemma-needle", gpus, engine_kwargs("gemma3", **base),
+                  engine_kwargs("gemma3", **base, **sparse(min_len=2048)))  # fmt: skip
+    rows = []
+    try:
+        for length in lengths:
+            prompts = build_prompts(tok, length, depths, seed=length)
+            ids = [p.input_ids for p in prompts]
+            answers = {}
+            for side, w in (("upstream", up), ("patched", pa)):
+                tokens = w.call(op="generate", prompts=ids, max_tokens=12)["tokens"]
+                answers[side] = [parse_answer(tok.decode(t)) for t in tokens]
+            for p, a_up, a_pa in zip(prompts, answers["upstream"], answers["patched"]):
+                rows.append({"length": length, "depth": p.depth, "value": p.value, "upstream": a_up, "patched": a_pa})
+            say(f"needles {length}: upstream {sum(r['upstream'] == r['value'] for r in rows[-5:])}/5, "
+                f"patched {sum(r['patched'] == r['value'] for r in rows[-5:])}/5")  # fmt: skip
+    finally:
+        up.close()
+        pa.close()
+    summary = {}
+    for length in lengths:
+        sel = [r for r in rows if r["length"] == length]
+        summary[length] = {
+            "upstream_correct": sum(r["upstream"] == r["value"] for r in sel),
+            "patched_correct": sum(r["patched"] == r["value"] for r in sel),
+            "same_answer": sum(r["upstream"] == r["patched"] for r in sel),
+            "prompts": len(sel),
+        }
+    results["gemma_needles"] = {"engine": "chunked prefill 16384, patched defaults with --sparse-prefill-min-len 2048",
+                                "by_length": summary, "rows": rows}  # fmt: skip
+
+
+def ttft_pairs(up: Worker | Server, pa: Worker | Server, measure, lengths: list[int], repeats: int, corpus: Corpus,
+               seed: int) -> dict:  # fmt: skip
+    """Median TTFT per length, the two sides alternating (which goes first alternates too)."""
+    table = {}
+    for length in lengths:
+        warm = corpus.window(length, seed + length)
+        for side in (up, pa):
+            measure(side, warm)
+        times = {"upstream": [], "patched": []}
+        for r in range(repeats):
+            prompt = corpus.window(length, seed + length + 1 + r)
+            order = ((up, "upstream"), (pa, "patched")) if r % 2 == 0 else ((pa, "patched"), (up, "upstream"))
+            for side, key in order:
+                times[key].append(measure(side, prompt))
+        u, p = median(times["upstream"]), median(times["patched"])
+        table[length] = {"upstream_ms": u * 1e3, "patched_ms": p * 1e3, "speedup": u / p, "samples": times}
+        say(f"TTFT {length}: upstream {u * 1e3:.1f} ms, patched {p * 1e3:.1f} ms, {u / p:.2f}x")
+    return table
+
+
+def offline_ttft_stage(results: dict, gpus: str, lengths: list[int], repeats: int) -> None:
+    tok = tokenizer_for("smollm2")
+    corpus = Corpus(tok, max(lengths) + 64 * 1024)
+    base = dict(max_model_len=LONG_LEN, chunk=16384, eager=False)
+    up, pa = pair("smol-ttft", gpus, engine_kwargs("smollm2", **base), engine_kwargs("smollm2", **base, **sparse()))
+    try:
+        table = ttft_pairs(up, pa, lambda w, ids: w.call(op="ttft", prompt=ids)["seconds"], lengths, repeats, corpus, 0)
+    finally:
+        up.close()
+        pa.close()
+    results["offline_ttft"] = {"model": "smollm2", "engine": "LLM, chunked prefill 16384, prefix caching on, "
+                               "CUDA graphs + torch.compile (defaults); patched: default sparse config",
+                               "by_length": table}  # fmt: skip
+
+
+def offline_phase(results: dict, gpus: str, args) -> None:
+    for name, stage in (
+        ("smol_equality", lambda: equality_stage(results, gpus, "smollm2", 1, "smollm2")),
+        ("gemma_needles", lambda: needle_stage(results, gpus)),
+        ("offline_ttft", lambda: offline_ttft_stage(results, gpus, args.lengths, args.repeats)),
+    ):
+        run_stage(results, name, stage)
+
+
+def run_stage(results: dict, name: str, stage) -> None:
+    t0 = time.monotonic()
+    try:
+        stage()
+    except Exception as error:  # one failing stage must not lose the others' results
+        say(f"stage {name} FAILED: {error}")
+        results.setdefault("errors", {})[name] = f"{error}\n{traceback.format_exc()[-3000:]}"
+    with RESULTS_LOCK:
+        results.setdefault("stage_seconds", {})[name] = round(time.monotonic() - t0, 1)
+        (OUT_DIR / "results-partial.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+# --------------------------------------------------------------------------------------------- serve
+
+
+async def stream_completion(client, port: int, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed /v1/completions request: send time, arrival time of every streamed text chunk."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    sent = time.perf_counter()
+    arrivals = []
+    async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=600) as response:
+        if response.status_code != 200:
+            text = (await response.aread()).decode(errors="replace")
+            raise EngineError(f"HTTP {response.status_code} from :{port}: {text[:500]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            choices = json.loads(line[5:]).get("choices") or []
+            if choices and choices[0].get("text"):
+                arrivals.append(time.perf_counter())
+    if not arrivals:
+        raise EngineError(f"no tokens streamed from :{port}")
+    return {"sent": sent, "ttft": arrivals[0] - sent, "itl": [b - a for a, b in zip(arrivals, arrivals[1:])],
+            "chunks": len(arrivals)}  # fmt: skip
+
+
+def served_ttft(server: Server, prompt: list[int]) -> float:
+    import httpx
+
+    async def once() -> float:
+        async with httpx.AsyncClient() as client:
+            return (await stream_completion(client, server.port, server.model, prompt, 1))["ttft"]
+
+    return asyncio.run(once())
+
+
+async def mixed_load(server: Server, shorts: list[list[int]], long_prompt: list[int] | None, rate: float,
+                     seconds: float, seed: int) -> dict:  # fmt: skip
+    """Short chats arrive as a Poisson stream of ``rate``/s for ``seconds``; the long request (if any) is
+    sent 1 s in. Short-request TTFT and inter-token latency, and the long request's TTFT."""
+    import httpx
+
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(limits=limits) as client:
+        start = time.perf_counter()
+        tasks, long_task, t, i = [], None, 0.0, 0
+        while t < seconds:
+            if long_prompt is not None and long_task is None and t >= 1.0:
+                long_task = asyncio.create_task(stream_completion(client, server.port, server.model, long_prompt, 4))
+            await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+            tasks.append(asyncio.create_task(
+                stream_completion(client, server.port, server.model, shorts[i % len(shorts)], 48)))  # fmt: skip
+            i += 1
+            t += rng.expovariate(rate)
+        done = await asyncio.gather(*tasks)
+        long_result = await long_task if long_task is not None else None
+    ttfts = [d["ttft"] for d in done]
+    itls = [gap for d in done for gap in d["itl"]]
+    result = {
+        "short_requests": len(done), "ttft_p50_ms": percentile(ttfts, 50) * 1e3, "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
+        "itl_p50_ms": percentile(itls, 50) * 1e3, "itl_p99_ms": percentile(itls, 99) * 1e3,
+    }  # fmt: skip
+    if long_result is not None:
+        result["long_ttft_ms"] = long_result["ttft"] * 1e3
+        result["long_tokens"] = len(long_prompt)
+    return result
+
+
+def serve_phase(results: dict, gpus: str, args) -> None:
+    tok = tokenizer_for("smollm2")
+    corpus = Corpus(tok, max(args.lengths) + 64 * 1024)
+    model = MODELS / "smollm2"
+
+    def ttft() -> None:
+        chunk = ["--max-num-batched-tokens", "16384"]
+        with serving("serve-ttft-upstream", "upstream", gpus, model, 8101, chunk) as up, serving(
+            "serve-ttft-patched", "patched", gpus, model, 8102, [*chunk, "--attention-backend", "SPARSE_PREFILL"]
+        ) as pa:
+            table = ttft_pairs(up, pa, served_ttft, args.lengths, args.repeats, corpus, 500)
+        results["serve_ttft"] = {"model": "smollm2", "engine": "vllm serve, streaming /v1/completions, "
+                                 "--max-num-batched-tokens 16384 both sides; patched: --attention-backend "
+                                 "SPARSE_PREFILL, default sparse config", "by_length": table}  # fmt: skip
+
+    run_stage(results, "serve_ttft", ttft)
+    run_stage(results, "mixed_load", lambda: mixed_stage(results, gpus, tok, corpus, model, args))
+
+
+class serving:
+    """``with serving(...) as server``: a started, ready `vllm serve`, stopped on exit."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __enter__(self) -> Server:
+        self.server = Server(*self.args)
+        try:
+            self.server.wait_ready()
+        except Exception:
+            self.server.close()
+            raise
+        return self.server
+
+    def __exit__(self, *exc) -> None:
+        self.server.close()
+
+
+def mixed_stage(results: dict, gpus: str, tok, corpus: Corpus, model: Path, args) -> None:
+    rng = random.Random(7)
+    # Disjoint prompts for the warm-up, unloaded and loaded runs, so no run reuses another's cached prefix
+    # beyond the chat template's.
+    count = int(args.mixed_rate * args.mixed_seconds * 1.5) + 8
+    shorts = [chat_prompt(tok, corpus, rng, rng.randint(200, 800), i) for i in range(3 * count)]
+    prompts = {"warm": shorts[:count], "unloaded": shorts[count : 2 * count], "loaded": shorts[2 * count :],
+               "long": corpus.window(args.mixed_long, 99), "warm_long": corpus.window(args.mixed_long // 2, 98)}  # fmt: skip
+    table = {}
+    with serving("mixed-upstream", "upstream", gpus, model, 8103, []) as upstream:
+        table["upstream defaults"] = run_mixed(upstream, prompts, args)
+    # The step-latency target comes from upstream's unloaded decode latency (its p99, the figure the
+    # target bounds), as an operator would set it.
+    target = max(round(1.3 * table["upstream defaults"]["unloaded"]["itl_p99_ms"], 1), 4.0)
+    flags = ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-min-len", "4096",
+             "--max-num-partial-prefills", "4", "--max-long-partial-prefills", "1",
+             "--long-prefill-token-threshold", "4096", "--prefill-order", "srpf",
+             "--max-step-latency-ms", str(target)]  # fmt: skip
+    with serving("mixed-patched", "patched", gpus, model, 8104, flags) as ours:
+        table["patched, " + " ".join(flags)] = run_mixed(ours, prompts, args)
+    for row in table.values():
+        unloaded, loaded = row["unloaded"], row["loaded"]
+        row["ttft_p99_ratio"] = loaded["ttft_p99_ms"] / unloaded["ttft_p99_ms"]
+        row["itl_p99_ratio"] = loaded["itl_p99_ms"] / unloaded["itl_p99_ms"]
+    results["mixed_load"] = {"model": "smollm2", "long_tokens": len(prompts["long"]), "rate_per_s": args.mixed_rate,
+                             "seconds": args.mixed_seconds, "short_max_tokens": 48, "configs": table}  # fmt: skip
+
+
+def run_mixed(server: Server, prompts: dict, args) -> dict:
+    # Warm the server's paths (short chats, a long prefill) before measuring.
+    asyncio.run(mixed_load(server, prompts["warm"], None, args.mixed_rate, 3.0, 1))
+    asyncio.run(mixed_load(server, prompts["warm"][:1], prompts["warm_long"], 1.0, 1.5, 2))
+    row = {
+        "unloaded": asyncio.run(mixed_load(server, prompts["unloaded"], None, args.mixed_rate, args.mixed_seconds, 3)),
+        "loaded": asyncio.run(
+            mixed_load(server, prompts["loaded"], prompts["long"], args.mixed_rate, args.mixed_seconds, 3)
+        ),
+    }
+    say(f"{server.name}: unloaded {row['unloaded']}, loaded {row['loaded']}")
+    return row
+
+
+# --------------------------------------------------------------------------------------------- tp
+
+
+def tp_phase(results: dict, gpus: str, args) -> None:
+    run_stage(results, "tp2_equality", lambda: equality_stage(results, gpus, "gemma3", 2, "gemma3_tp2"))
+
+    def ttft() -> None:
+        tok = tokenizer_for("gemma3")
+        corpus = Corpus(tok, 131072 + 64 * 1024)
+        base = dict(max_model_len=LONG_LEN, chunk=16384, eager=False, tp=2)
+        up, pa = pair("gemma-tp2-ttft", gpus, engine_kwargs("gemma3", **base),
+                      engine_kwargs("gemma3", **base, **sparse()))  # fmt: skip
+        try:
+            table = ttft_pairs(up, pa, lambda w, ids: w.call(op="ttft", prompt=ids)["seconds"], [32768, 131072],
+                               args.repeats, corpus, 900)  # fmt: skip
+        finally:
+            up.close()
+            pa.close()
+        results["tp2_ttft"] = {"model": "gemma3", "tp": 2, "engine": "LLM, TP=2, chunked prefill 16384, defaults; "
+                               "patched: default sparse config (3 of 18 layers full attention)", "by_length": table}
+
+    run_stage(results, "tp2_ttft", ttft)
+
+
+# --------------------------------------------------------------------------------------------- report
+
+
+def report(results: dict) -> str:
+    lines = [f"# vLLM 0.26.0 end to end: {results['device']}, {results['date']}", ""]
+    for key in ("smollm2_greedy_threshold0", "gemma3_tp2_greedy_threshold0"):
+        if key in results:
+            r = results[key]
+            lines.append(f"Greedy tokens, threshold 0, {r['model']} TP={r['tp']}: **{r['equal']}/{r['prompts']}** "
+                         f"prompts equal to upstream ({r['engine']})")  # fmt: skip
+            for row in r["rows"]:
+                if not row["equal"]:
+                    lines.append(f"  - prompt {row['prompt']} ({row['prompt_tokens']} tokens): first difference at "
+                                 f"output token {row['first_diff']}, upstream top-1/top-2 margin "
+                                 f"{row.get('upstream_margin', float('nan')):.3f} nats")  # fmt: skip
+    if "gemma_needles" in results:
+        lines += ["", "| Gemma 3 needles | upstream correct | patched correct | same answer |", "|---|---|---|---|"]
+        for length, s in results["gemma_needles"]["by_length"].items():
+            lines.append(f"| {length} | {s['upstream_correct']}/{s['prompts']} | {s['patched_correct']}/{s['prompts']} "
+                         f"| {s['same_answer']}/{s['prompts']} |")  # fmt: skip
+    for key in ("offline_ttft", "serve_ttft", "tp2_ttft"):
+        if key in results:
+            lines += ["", f"| {key} ({results[key]['model']}) | upstream ms | patched ms | speedup |", "|---|---|---|---|"]
+            for length, row in results[key]["by_length"].items():
+                lines.append(f"| {length} | {row['upstream_ms']:.1f} | {row['patched_ms']:.1f} | {row['speedup']:.2f}x |")
+    if "mixed_load" in results:
+        m = results["mixed_load"]
+        lines += ["", f"Mixed load: one {m['long_tokens']}-token request + short chats at {m['rate_per_s']}/s for "
+                  f"{m['seconds']} s", "",
+                  "| config | short TTFT p50 / p99 unloaded (ms) | loaded (ms) | p99 ratio | ITL p99 unloaded / loaded "
+                  "(ms) | ratio | long TTFT (ms) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for label, row in m["configs"].items():
+            un, lo = row["unloaded"], row["loaded"]
+            lines.append(f"| {label} | {un['ttft_p50_ms']:.1f} / {un['ttft_p99_ms']:.1f} | {lo['ttft_p50_ms']:.1f} / "
+                         f"{lo['ttft_p99_ms']:.1f} | {row['ttft_p99_ratio']:.2f} | {un['itl_p99_ms']:.1f} / "
+                         f"{lo['itl_p99_ms']:.1f} | {row['itl_p99_ratio']:.2f} | {lo.get('long_ttft_ms', 0):.0f} |")
+    for name, error in results.get("errors", {}).items():
+        lines += ["", f"ERROR in {name}: {error.splitlines()[0] if error else ''}"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phases", default="offline,serve")
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768, 65536, 131072])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--mixed-long", type=int, default=98304, help="tokens of the long request of the mixed load")
+    parser.add_argument("--mixed-rate", type=float, default=4.0, help="short chats per second")
+    parser.add_argument("--mixed-seconds", type=float, default=20.0)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+
+    import torch
+
+    LOGS.mkdir(parents=True, exist_ok=True)
+    gpus = torch.cuda.device_count()
+    device = f"{gpus}x {torch.cuda.get_device_name(0)}" if gpus else "no GPU"
+    results = {"device": device, "date": time.strftime("%Y-%m-%d"),
+               "torch": torch.__version__, "command": " ".join(sys.argv)}  # fmt: skip
+    global OUT_DIR
+    out = OUT_DIR = Path(args.out)
+    phases = args.phases.split(",")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        jobs = []
+        if "offline" in phases:
+            jobs.append(pool.submit(run_stage, results, "offline", lambda: offline_phase(results, "0", args)))
+        if "serve" in phases:
+            gpu = "1" if gpus > 1 and "offline" in phases else "0"
+            jobs.append(pool.submit(run_stage, results, "serve", lambda: serve_phase(results, gpu, args)))
+        for job in jobs:
+            job.result()
+    if "tp" in phases:
+        tp_phase(results, "0,1", args)
+    (out / f"results-{'-'.join(phases)}.json").write_text(json.dumps(results, indent=1, default=str))
+    text = report(results)
+    (out / f"report-{'-'.join(phases)}.md").write_text(text)
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The end-to-end driver's own arithmetic (scripts/e2e/vllm_e2e.py): token comparison, percentiles,
+prompt windows. Its GPU runs are in docs/e2e-vllm.md; here only what can go wrong without a GPU."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "e2e" / "vllm_e2e.py"
+
+
+@pytest.fixture(scope="module")
+def driver():
+    spec = importlib.util.spec_from_file_location("vllm_e2e", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_tokens_reports_first_difference_and_upstream_margin(driver):
+    upstream = {
+        "tokens": [[1, 2, 3], [4, 5, 6], [7, 8]],
+        "top": [None, [[[4, -0.1]], [[5, -0.2], [9, -0.325]], [[6, -0.1]]], None],
+    }
+    patched = {"tokens": [[1, 2, 3], [4, 9, 6], [7, 8, 1]]}
+    rows = driver.compare_tokens(upstream, patched)
+    assert [r["equal"] for r in rows] == [True, False, False]
+    assert rows[1]["first_diff"] == 1 and rows[1]["upstream_margin"] == pytest.approx(0.125)
+    assert rows[2]["first_diff"] == 2  # one side stopped earlier
+    assert "upstream_margin" not in rows[2]
+
+
+def test_percentile_interpolates_between_ranks(driver):
+    values = [float(v) for v in range(1, 101)]
+    assert driver.percentile(values, 50) == pytest.approx(50.5)
+    assert driver.percentile(values, 99) == pytest.approx(99.01)
+    assert driver.percentile([3.0], 99) == 3.0
+
+
+def test_corpus_windows_differ_from_their_first_token(driver):
+    corpus = driver.Corpus.__new__(driver.Corpus)
+    corpus.ids = list(range(200_000))
+    windows = [corpus.window(131072, i) for i in range(12)]
+    assert all(len(w) == 131072 for w in windows)
+    assert len({w[0] for w in windows}) == len(windows)
+
+
+def test_engine_kwargs_size_the_rotary_table_for_long_runs(driver):
+    long = driver.engine_kwargs("smollm2", max_model_len=132096, chunk=16384, eager=False)
+    short = driver.engine_kwargs("smollm2", max_model_len=8192, chunk=2048, eager=True)
+    assert long["hf_overrides"] == {"max_position_embeddings": 132096}
+    assert "hf_overrides" not in short
+    assert driver.sparse(threshold=0.0)["sparse_prefill_threshold"] == 0.0
