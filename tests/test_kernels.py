@@ -233,3 +233,23 @@ def test_bad_inputs_raise_clear_errors():
 def test_config_validation(changes, message):
     with pytest.raises((ValueError, TypeError), match=message):
         SparsePrefillConfig(**changes)
+
+
+def test_prebuilt_layout_from_host_lengths_gives_the_same_result():
+    from prefill_accel import BatchLayout
+
+    batch = make_batch(**MIXED, num_heads=8, num_kv_heads=2, device=DEVICE)
+    config = sparse_config()
+    want, want_lse = sparse_prefill_attention(*batch.args, config=config)
+    layout = BatchLayout.build(batch.cu_seqlens_q.cpu(), batch.seqlens_k.cpu(), config, batch.q.device)
+    got, lse = sparse_prefill_attention(*batch.args, config=config, out=poisoned_out(batch.q), layout=layout)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+
+    with pytest.raises(ValueError, match="another SparsePrefillConfig"):
+        sparse_prefill_attention(*batch.args, config=config.replace(threshold=0.1), layout=layout)
+    other = BatchLayout.build(batch.cu_seqlens_q[:3].cpu(), batch.seqlens_k[:2].cpu(), config, batch.q.device)
+    with pytest.raises(ValueError, match="layout describes 2 sequences"):
+        sparse_prefill_attention(*batch.args, config=config, layout=other)
+    with pytest.raises(TypeError, match="BatchLayout"):
+        sparse_prefill_attention(*batch.args, config=config, layout="layout")

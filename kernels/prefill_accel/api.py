@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from . import reference
+from . import reference, stats
 from .config import SparsePrefillConfig
 from .layout import BatchLayout, BlockIndex
 
@@ -89,6 +89,26 @@ def _prepare(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out, conf
         raise TypeError(f"config must be a SparsePrefillConfig, got {type(config).__name__}")
 
 
+def _check_layout(layout: BatchLayout, q, k_cache, page_table, seqlens_k, config: SparsePrefillConfig) -> None:
+    """What can be checked of a caller's layout without reading device tensors."""
+    if not isinstance(layout, BatchLayout):
+        raise TypeError(f"layout must be a BatchLayout, got {type(layout).__name__}")
+    if layout.config != config:
+        raise ValueError("layout was built for another SparsePrefillConfig")
+    if layout.batch != seqlens_k.shape[0] or sum(layout.q_lens) != q.shape[0]:
+        raise ValueError(
+            f"layout describes {layout.batch} sequences of {sum(layout.q_lens)} query tokens; "
+            f"the call has {seqlens_k.shape[0]} sequences of {q.shape[0]}"
+        )
+    if layout.qblock_pos.device != q.device:
+        raise ValueError(f"layout tensors are on {layout.qblock_pos.device}, q on {q.device}")
+    pages_needed = -(-max(layout.k_lens, default=0) // k_cache.shape[1])
+    if pages_needed > page_table.shape[1]:
+        raise ValueError(
+            f"page_table has {page_table.shape[1]} columns but the longest sequence needs {pages_needed} pages"
+        )
+
+
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
 
@@ -150,6 +170,7 @@ def sparse_prefill_attention(
     config: SparsePrefillConfig = SparsePrefillConfig(),
     softmax_scale: float | None = None,
     out: torch.Tensor | None = None,
+    layout: BatchLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal block-sparse prefill attention over a paged KV cache: block selection, then attention.
 
@@ -165,6 +186,11 @@ def sparse_prefill_attention(
         config: the block search; ``threshold=0`` is exact dense attention.
         softmax_scale: defaults to 1 / sqrt(head_dim).
         out: optional preallocated output shaped and typed like ``q``.
+        layout: optional ``BatchLayout.build(cu_seqlens_q, seqlens_k, config, q.device)`` built by the
+            caller, from host copies of the two length tensors. An engine builds it once per step
+            and passes it to every layer, so no layer reads lengths back from the device (without
+            it, each call waits for the device once to read them). It must describe these lengths;
+            only the batch size, the total query length and the configuration are checked.
 
     Returns:
         ``out`` (total_q, num_q_heads, head_dim) in q's dtype and ``lse`` (num_q_heads, total_q)
@@ -173,7 +199,11 @@ def sparse_prefill_attention(
     Inputs the kernels do not support (dtype, head_dim, device, layout) are computed by the dense
     PyTorch reference, with one warning per reason.
     """
-    _prepare(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out, config)
+    if layout is None:
+        _prepare(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out, config)
+    else:
+        _check_inputs(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out)
+        _check_layout(layout, q, k_cache, page_table, seqlens_k, config)
     scale = _scale(q, softmax_scale)
     reason = _unsupported_reason(q, k_cache)
     if reason is not None:
@@ -181,17 +211,26 @@ def sparse_prefill_attention(
         return _dense_fallback(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, scale, out)
     from . import triton_kernels
 
-    layout = BatchLayout.build(cu_seqlens_q, seqlens_k, config, q.device)
+    if layout is None:
+        layout = BatchLayout.build(cu_seqlens_q, seqlens_k, config, q.device)
+    recorder = stats.recorder()
+    clock = recorder.start(q.device) if recorder is not None else None
+    index = None
+    result = None
     if layout.all_dense:
         result = _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, layout, scale, out)
-        if result is not None:
-            return result
-        index = None
     else:
         index = triton_kernels.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, layout, config, scale)
-    return triton_kernels.block_sparse_attention(
-        q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout, index, scale, config.mean_correction, out
-    )
+    select_ms = clock.lap() if clock is not None else 0.0
+    if result is None:
+        result = triton_kernels.block_sparse_attention(
+            q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout, index, scale, config.mean_correction, out
+        )
+    if recorder is not None:
+        causal = layout.causal_blocks() * k_cache.shape[2]
+        kept = causal if index is None else int(index.counts.long().sum().item())
+        recorder.record(q.shape[0], kept, causal, select_ms, clock.lap())
+    return result
 
 
 def select_blocks(

@@ -32,6 +32,8 @@ class BatchLayout:
     """First global query block of each sequence; the last entry is the total."""
     all_dense: bool
     """Every query block is dense, so no search is needed (known on the host, no device read)."""
+    config: SparsePrefillConfig
+    """The configuration the layout was built for (its dense blocks depend on it)."""
 
     @property
     def batch(self) -> int:
@@ -61,7 +63,11 @@ class BatchLayout:
         config: SparsePrefillConfig,
         device: torch.device,
     ) -> "BatchLayout":
-        """Lay out the batch in blocks; reads the two small length tensors on the host once."""
+        """Lay out the batch in blocks; reads the two small length tensors on the host once.
+
+        Host (CPU) length tensors cost no device synchronisation: an engine that has them builds
+        the layout once per step and passes it to every layer's call.
+        """
         cu_q = cu_seqlens_q.detach().to("cpu", torch.int64).tolist()
         k_lens = seqlens_k.detach().to("cpu", torch.int64).tolist()
         q_lens = [cu_q[i + 1] - cu_q[i] for i in range(len(k_lens))]
@@ -82,7 +88,12 @@ class BatchLayout:
                 positions.append(pos)
                 dense.append(1 if seq_dense or pos >= last - config.last_query_blocks else 0)
             starts.append(starts[-1] + n)
-        as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+        def as_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+            host = torch.tensor(values, dtype=dtype)
+            if torch.device(device).type != "cuda":
+                return host.to(device)
+            return host.pin_memory().to(device, non_blocking=True)  # queued, the host does not wait
+
         return cls(
             block_size=block,
             q_lens=tuple(q_lens),
@@ -92,6 +103,7 @@ class BatchLayout:
             qblock_dense=as_tensor(dense, torch.int8),
             seq_qblock_start=tuple(starts),
             all_dense=all(dense),
+            config=config,
         )
 
 

@@ -33,7 +33,7 @@ from vllm.config.attention import AttentionConfig  # noqa: E402
 from vllm.config.sparse_prefill import SPARSE_PREFILL_FIELDS, flag, kernel_field, sparse_prefill_settings  # noqa: E402
 from vllm.v1.attention.backends import flash_attn, sparse_prefill_attn  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
-from vllm.v1.attention.backends.sparse_prefill_runs import RequestRun, split_long_prefills  # noqa: E402
+from vllm.v1.attention.backends.sparse_prefill_runs import RequestRun, split_long_prefills, with_layouts  # noqa: E402
 
 TREE = Path(__file__).resolve().parents[2]
 HEAD_DIM = 64
@@ -107,9 +107,14 @@ def paged_batch(batch, num_heads, num_kv_heads, seed=0):
     return query, kv_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32)
 
 
-def metadata_for(batch, block_table, seq_lens, min_len=MIN_LEN):
+def metadata_for(batch, block_table, seq_lens, min_len=MIN_LEN, layouts_for=None):
+    """The step's metadata as the builder makes it; with ``layouts_for`` (a kernel config) the
+    sparse runs carry their host-built layouts, as in the engine."""
     q_lens = [q for q, _ in batch]
     query_start_loc = cu(q_lens)
+    runs = split_long_prefills(query_start_loc, len(batch), min_len)
+    if layouts_for is not None:
+        runs = with_layouts(runs, query_start_loc, seq_lens, layouts_for, torch.device("cpu"))
     return sparse_prefill_attn.SparsePrefillMetadata(
         num_actual_tokens=sum(q_lens),
         max_query_len=max(q_lens),
@@ -123,20 +128,21 @@ def metadata_for(batch, block_table, seq_lens, min_len=MIN_LEN):
         cu_prefix_query_lens=None,
         prefix_kv_lens=None,
         suffix_kv_lens=None,
-        sparse_runs=split_long_prefills(query_start_loc, len(batch), min_len),
+        sparse_runs=runs,
     )
 
 
 @pytest.fixture
 def backend(monkeypatch):
     """Build the backend's Impl as vLLM does, with FlashAttention's CUDA kernel replaced by the reference."""
-    fa_calls, fa_windows, sparse_calls = [], [], []
+    fa_calls, fa_windows, sparse_calls, sparse_layouts = [], [], [], []
     fa = reference_flash_attn_varlen_func(fa_calls, fa_windows)
     monkeypatch.setattr(flash_attn, "flash_attn_varlen_func", fa, raising=False)
     real_sparse = sparse_prefill_attn.sparse_prefill_attention
 
     def spy(q, *args, **kwargs):
         sparse_calls.append(q.shape[0])
+        sparse_layouts.append(kwargs.get("layout"))
         return real_sparse(q, *args, **kwargs)
 
     monkeypatch.setattr(sparse_prefill_attn, "sparse_prefill_attention", spy)
@@ -151,7 +157,9 @@ def backend(monkeypatch):
         impl.vllm_flash_attn_version = 3  # what get_flash_attn_version() reports on a Hopper GPU
         return impl
 
-    return SimpleNamespace(make=make, fa_calls=fa_calls, fa_windows=fa_windows, sparse_calls=sparse_calls)
+    return SimpleNamespace(
+        make=make, fa_calls=fa_calls, fa_windows=fa_windows, sparse_calls=sparse_calls, sparse_layouts=sparse_layouts
+    )
 
 
 def layer(name="model.layers.3.self_attn.attn"):
@@ -210,6 +218,20 @@ def test_sparse_rows_match_the_kernel_on_those_requests_alone(backend):
     assert (output[long_rows].float() - dense[long_rows].float()).abs().max() > 0.1, "nothing was pruned"
     assert_close_rows(output[:1], dense[:1])
     assert_close_rows(output[331:], dense[331:])
+
+
+def test_host_built_layouts_reach_the_kernel_and_change_nothing(backend):
+    batch = [(1, 39), (70, 300), (260, 0), (5, 60)]
+    impl = backend.make(num_heads=4, num_kv_heads=2, sparse_prefill_threshold=1.0, sparse_prefill_local_blocks=0)
+    query, kv_cache, block_table, seq_lens = paged_batch(batch, 4, 2, seed=1)
+    without = run_forward(impl, query, kv_cache, metadata_for(batch, block_table, seq_lens))
+    with_layout = run_forward(
+        impl, query, kv_cache, metadata_for(batch, block_table, seq_lens, layouts_for=impl.settings.kernel)
+    )
+    assert backend.sparse_layouts[0] is None
+    layout = backend.sparse_layouts[1]
+    assert layout.q_lens == (70, 260) and layout.k_lens == (370, 260)
+    torch.testing.assert_close(with_layout, without, atol=0, rtol=0)
 
 
 def test_tensor_parallel_rank_computes_its_head_slice(backend):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from prefill_accel import sparse_prefill_attention
+from prefill_accel import BatchLayout, sparse_prefill_attention
 from prefill_accel.api import SUPPORTED_HEAD_DIMS
 
 from vllm.config import VllmConfig, get_current_vllm_config
@@ -35,7 +35,12 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadata,
     FlashAttentionMetadataBuilder,
 )
-from vllm.v1.attention.backends.sparse_prefill_runs import RequestRun, forward_runs, split_long_prefills
+from vllm.v1.attention.backends.sparse_prefill_runs import (
+    RequestRun,
+    forward_runs,
+    split_long_prefills,
+    with_layouts,
+)
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 logger = init_logger(__name__)
@@ -59,6 +64,8 @@ class SparsePrefillAttentionBackend(FlashAttentionBackend):
 class SparsePrefillMetadata(FlashAttentionMetadata):
     sparse_runs: tuple[RequestRun, ...] | None = None
     """The step cut into runs of requests for each path; None when every request is below the minimum."""
+    sparse_layout: BatchLayout | None = None
+    """Set on the metadata of one sparse run: the kernel's layout of its requests."""
 
 
 class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
@@ -70,7 +77,8 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
         device: torch.device,
     ):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.min_len = sparse_prefill_settings(vllm_config.attention_config).kernel.min_q_len
+        self.kernel_config = sparse_prefill_settings(vllm_config.attention_config).kernel
+        self.min_len = self.kernel_config.min_q_len
 
     def build(
         self,
@@ -83,6 +91,14 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
         if common_attn_metadata.max_query_len >= self.min_len:
             runs = split_long_prefills(
                 common_attn_metadata.query_start_loc_cpu, common_attn_metadata.num_reqs, self.min_len
+            )
+        if runs is not None and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            # Exact for prefill rows, which are all the sparse runs hold; read once per step otherwise.
+            seq_lens_cpu = common_attn_metadata.seq_lens_cpu_upper_bound
+            if seq_lens_cpu is None:
+                seq_lens_cpu = common_attn_metadata.seq_lens_cpu
+            runs = with_layouts(
+                runs, common_attn_metadata.query_start_loc_cpu, seq_lens_cpu, self.kernel_config, self.device
             )
         fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
         return SparsePrefillMetadata(**fields, sparse_runs=runs)
@@ -184,6 +200,7 @@ class SparsePrefillAttentionImpl(FlashAttentionImpl):
                 config=self.settings.kernel,
                 softmax_scale=self.scale,
                 out=output[rows],
+                layout=metadata.sparse_layout,
             )
 
         forward_runs(runs, attn_metadata, dense, sparse)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from prefill_accel import BatchLayout, SparsePrefillConfig
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class RequestRun:
     token_start: int
     token_end: int
     max_query_len: int
+    layout: BatchLayout | None = None
+    """For a sparse run, the kernel's block layout of its requests, built once per step on the host."""
 
     @property
     def rows(self) -> slice:
@@ -71,6 +74,34 @@ def split_long_prefills(query_start_loc_cpu: torch.Tensor, num_reqs: int, min_le
     return tuple(runs)
 
 
+def with_layouts(
+    runs: tuple[RequestRun, ...],
+    query_start_loc_cpu: torch.Tensor,
+    seq_lens_cpu: torch.Tensor,
+    config: SparsePrefillConfig,
+    device: torch.device,
+) -> tuple[RequestRun, ...]:
+    """The runs with each sparse run's BatchLayout, built from the step's host-side lengths.
+
+    Built here once per step, the layout spares every layer's kernel call from reading the lengths
+    back from the GPU (a synchronisation per layer otherwise).
+    """
+    return tuple(
+        dataclasses.replace(
+            run,
+            layout=BatchLayout.build(
+                query_start_loc_cpu[run.req_start : run.req_end + 1] - run.token_start,
+                seq_lens_cpu[run.requests],
+                config,
+                device,
+            ),
+        )
+        if run.sparse
+        else run
+        for run in runs
+    )
+
+
 def run_metadata(attn_metadata, run: RequestRun):
     """``attn_metadata`` (a FlashAttentionMetadata) restricted to one run, with rows renumbered from 0.
 
@@ -87,6 +118,7 @@ def run_metadata(attn_metadata, run: RequestRun):
         block_table=attn_metadata.block_table[run.requests],
         scheduler_metadata=None,
         sparse_runs=None,
+        sparse_layout=run.layout,
     )
 
 
