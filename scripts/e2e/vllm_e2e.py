@@ -13,6 +13,8 @@ Phases (--phases, comma separated):
   serve    GPU 1 (GPU 0 on a one-GPU machine): TTFT through `vllm serve` with streaming at 8K-128K;
            the mixed load (one long request + a stream of short chats), upstream defaults against our
            scheduler flags, each also unloaded.
+  chunk    GPU 0: one SmolLM2-shaped chunk, our search and attention vs vLLM's FA3
+           (scripts/e2e/bench_chunk.py), and the density the search keeps inside the engine.
   tp       both GPUs: Gemma 3 with tensor parallel 2, greedy tokens at threshold 0 equal to upstream
            TP=2, and the 128K TTFT ratio.
 Results: --out DIR/results.json (every number) and the tables printed at the end (markdown).
@@ -90,7 +92,8 @@ class EngineError(RuntimeError):
 class Worker:
     """An offline vLLM engine in its own process (scripts/e2e/engine_worker.py)."""
 
-    def __init__(self, name: str, side: str, gpus: str, engine: dict, timeout: float = 420.0):
+    def __init__(self, name: str, side: str, gpus: str, engine: dict, timeout: float = 420.0,
+                 extra_env: dict[str, str] | None = None):  # fmt: skip
         self.name, self.side = name, side
         self.log = LOGS / f"{name}.log"
         read_fd, write_fd = os.pipe()
@@ -98,8 +101,8 @@ class Worker:
             self.proc = subprocess.Popen(
                 [sys.executable, str(Path(__file__).with_name("engine_worker.py")), "--engine", json.dumps(engine),
                  "--reply-fd", str(write_fd)],
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=side_env(side, gpus),
-                pass_fds=(write_fd,), text=True,
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                env={**side_env(side, gpus), **(extra_env or {})}, pass_fds=(write_fd,), text=True,
             )  # fmt: skip
         os.close(write_fd)
         self.replies = os.fdopen(read_fd, "r")
@@ -579,6 +582,43 @@ def tp_phase(results: dict, gpus: str, args) -> None:
     run_stage(results, "tp2_ttft", ttft)
 
 
+# --------------------------------------------------------------------------------------------- chunk
+
+
+def chunk_phase(results: dict, gpus: str, args) -> None:
+    """Where a sparse chunk's time goes: scripts/e2e/bench_chunk.py (our stages vs vLLM's FA3 on one
+    SmolLM2-shaped chunk), and the density the search keeps inside the engine (PREFILL_ACCEL_STATS)."""
+
+    def bench() -> None:
+        out, log = OUT_DIR / "chunk.json", LOGS / "bench-chunk.log"
+        command = [sys.executable, str(ROOT / "scripts" / "e2e" / "bench_chunk.py"), "--out", str(out)]
+        proc = subprocess.run(command, env=side_env("patched", gpus), capture_output=True, text=True, timeout=540)
+        log.write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise EngineError(f"bench_chunk.py failed; log tail:\n{log_tail(log)}")
+        results["chunk_bench"] = json.loads(out.read_text())
+        say("\n".join(line for line in proc.stdout.splitlines() if line.startswith("|")))
+
+    def engine_density() -> None:
+        corpus = Corpus(tokenizer_for("smollm2"), 131072 + 64 * 1024)
+        kwargs = engine_kwargs("smollm2", max_model_len=LONG_LEN, chunk=16384, eager=True, **sparse())
+        # One log line per 30 calls: one chunk through SmolLM2's 30 layers.
+        worker = Worker("smol-stats", "patched", gpus, kwargs, extra_env={"PREFILL_ACCEL_STATS": "30"})
+        try:
+            for length in (32768, 131072):
+                worker.call(op="ttft", prompt=corpus.window(length, 4242 + length))
+        finally:
+            worker.close()
+        lines = [line.split("sparse prefill: ", 1)[1] for line in worker.log.read_text().splitlines()
+                 if "sparse prefill: " in line]  # fmt: skip
+        results["engine_density"] = {"note": "per chunk of 16384 queries, 30 layers each; 32K prompt, then 128K",
+                                     "lines": lines}  # fmt: skip
+        say("engine density:\n" + "\n".join(lines))
+
+    run_stage(results, "chunk_bench", bench)
+    run_stage(results, "engine_density", engine_density)
+
+
 # --------------------------------------------------------------------------------------------- report
 
 
@@ -650,6 +690,8 @@ def main() -> None:
             jobs.append(pool.submit(run_stage, results, "serve", lambda: serve_phase(results, gpu, args)))
         for job in jobs:
             job.result()
+    if "chunk" in phases:
+        chunk_phase(results, "0", args)
     if "tp" in phases:
         tp_phase(results, "0,1", args)
     (out / f"results-{'-'.join(phases)}.json").write_text(json.dumps(results, indent=1, default=str))

@@ -50,17 +50,21 @@ class FakeGpu:
         self.now += self.fixed_s + self.per_token_s * output.total_num_scheduled_tokens + self.per_pair_s * pairs
 
 
+def decoding_chats(scheduler, gpu, count: int, max_tokens: int) -> None:
+    """Start `count` chats on the fake GPU and run them into decoding: their prefill step and the
+    decode steps after it teach the step-time model the fixed and per-token costs."""
+    scheduler.step_time.clock = gpu
+    for i in range(count):
+        scheduler.add_request(make_request(f"chat{i}", 32, max_tokens=max_tokens))
+    for _ in range(6):
+        run_step(scheduler, gpu.run)
+
+
 def test_step_latency_target_limits_prefill_tokens_next_to_decodes():
     target_ms = 20.0
     gpu = FakeGpu(fixed_s=0.005, per_token_s=20e-6)  # 2048 tokens: 46 ms
     scheduler = make_scheduler(max_num_batched_tokens=2048, max_step_latency_ms=target_ms)
-    scheduler.step_time.clock = gpu
-    for i in range(4):
-        scheduler.add_request(make_request(f"chat{i}", 32, max_tokens=200))
-    # The chats' prefill step and their decode steps teach the model the fixed and the
-    # per-token cost before the document arrives.
-    for _ in range(6):
-        run_step(scheduler, gpu.run)
+    decoding_chats(scheduler, gpu, 4, max_tokens=200)
     scheduler.add_request(make_request("doc", 2000, max_tokens=1))
 
     step_times, doc_chunks = [], []
@@ -88,11 +92,7 @@ def test_step_latency_charges_a_short_prompt_its_own_cost_next_to_a_long_prefill
         max_num_partial_prefills=2, long_prefill_token_threshold=256,
     )  # fmt: skip
     gpu = FakeGpu(fixed_s=0.002, per_token_s=10e-6, per_pair_s=100e-9, scheduler=scheduler)
-    scheduler.step_time.clock = gpu
-    for i in range(4):
-        scheduler.add_request(make_request(f"chat{i}", 32, max_tokens=400))
-    for _ in range(6):
-        run_step(scheduler, gpu.run)
+    decoding_chats(scheduler, gpu, 4, max_tokens=400)
     scheduler.add_request(make_request("doc", 2000, max_tokens=1))
     while scheduler.requests["doc"].num_computed_tokens < 1200:
         run_step(scheduler, gpu.run)
@@ -114,10 +114,7 @@ def test_every_partial_prefill_keeps_a_floor_when_decodes_alone_exceed_the_targe
         max_num_partial_prefills=2, long_prefill_token_threshold=256,
     )  # fmt: skip
     gpu = FakeGpu(fixed_s=0.010, per_token_s=10e-6)
-    scheduler.step_time.clock = gpu
-    scheduler.add_request(make_request("chat0", 32, max_tokens=400))
-    for _ in range(6):
-        run_step(scheduler, gpu.run)
+    decoding_chats(scheduler, gpu, 1, max_tokens=400)
     scheduler.add_request(make_request("doc", 2000, max_tokens=1))
     run_step(scheduler, gpu.run)
     scheduler.add_request(make_request("late", 64, max_tokens=4))

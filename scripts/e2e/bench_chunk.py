@@ -1,0 +1,132 @@
+"""Time one chunk of a long chunked prefill the way vLLM computes it: our sparse path against vLLM's own
+FlashAttention on the same paged cache, per stage.
+
+The chunk is the last ``--chunk`` queries of a ``length``-token sequence, its keys and values in a paged
+cache of ``--page-size`` tokens, GQA heads as in the model (SmolLM2-135M: 9 query / 3 KV heads of 64).
+Baseline: ``vllm.vllm_flash_attn.flash_attn_varlen_func`` with the block table (FA3 on Hopper), what
+upstream vLLM runs for that chunk. Ours: block search, attention over the kept blocks, and the whole
+call with and without a prebuilt layout. Inputs: structured random Q/K/V (see bench_kernels.py), or
+``--real`` captures from the accuracy harness (``python -m prefill_accel.accuracy --capture``), whose
+density is the one a model produces. Needs vLLM on the path (run it under the patched site's path).
+
+  python scripts/e2e/bench_chunk.py --lengths 32768,65536,131072 --chunk 16384 --out chunk.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "kernels"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_kernels import cuda_time, paged, structured_qkv  # noqa: E402
+from prefill_accel import (  # noqa: E402
+    BatchLayout,
+    SparsePrefillConfig,
+    block_sparse_attention,
+    reference,
+    select_blocks,
+    sparse_prefill_attention,
+)
+
+
+def chunk_inputs(q_full, k, v, chunk: int, page_size: int):
+    """The last ``chunk`` queries of the sequence, its paged cache, and the call's length tensors."""
+    length = k.shape[0]
+    k_cache, v_cache, table = paged(k, v, page_size)
+    q = q_full[length - chunk :].contiguous()
+    cu = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
+    seqlens = torch.tensor([length], dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, table, cu, seqlens
+
+
+def time_chunk(name: str, q, k_cache, v_cache, table, cu, seqlens, config, scale, repeats: int) -> dict:
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    chunk, length = q.shape[0], int(seqlens[0])
+    out = torch.empty_like(q)
+
+    def fa3():
+        flash_attn_varlen_func(
+            q=q, k=k_cache, v=v_cache, max_seqlen_q=chunk, cu_seqlens_q=cu, max_seqlen_k=length, seqused_k=seqlens,
+            softmax_scale=scale, causal=True, block_table=table, out=out, fa_version=3,
+        )  # fmt: skip
+
+    args = (q, k_cache, v_cache, table, cu, seqlens)
+    layout = BatchLayout.build(cu.cpu(), seqlens.cpu(), config, q.device)
+    index = select_blocks(q, k_cache, table, cu, seqlens, config=config, softmax_scale=scale)
+    row = {
+        "input": name, "length": length, "chunk": chunk, "heads": q.shape[1], "kv_heads": k_cache.shape[2],
+        "head_dim": q.shape[2], "density": index.density(),
+        "fa3_ms": cuda_time(fa3, repeats),
+        "select_ms": cuda_time(lambda: select_blocks(q, k_cache, table, cu, seqlens, config=config,
+                                                     softmax_scale=scale), repeats),
+        "attention_ms": cuda_time(lambda: block_sparse_attention(*args, index, softmax_scale=scale, out=out), repeats),
+        "total_ms": cuda_time(lambda: sparse_prefill_attention(*args, config=config, softmax_scale=scale, out=out),
+                              repeats),
+        "total_layout_ms": cuda_time(lambda: sparse_prefill_attention(*args, config=config, softmax_scale=scale,
+                                                                      out=out, layout=layout), repeats),
+    }  # fmt: skip
+    dense_config = config.replace(threshold=0.0)
+    row["dense_mode_ms"] = cuda_time(
+        lambda: sparse_prefill_attention(*args, config=dense_config, softmax_scale=scale, out=out), repeats
+    )
+    fa3()
+    want = out.float().clone()
+    got, _ = sparse_prefill_attention(*args, config=dense_config, softmax_scale=scale)
+    row["dense_mode_err_vs_fa3"] = ((got.float() - want).norm() / want.norm()).item()
+    if length <= 32768:  # the float32 reference on the whole chunk
+        ref, _ = reference.dense_paged_attention(*args, softmax_scale=scale)
+        row["fa3_err_vs_reference"] = ((want - ref).norm() / ref.norm()).item()
+    row["speedup_vs_fa3"] = row["fa3_ms"] / row["total_layout_ms"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="32768,65536,131072")
+    parser.add_argument("--chunk", type=int, default=16384)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--real", nargs="*", default=[], help="captured q/k/v .pt files (accuracy harness)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    config = SparsePrefillConfig(min_q_len=0)
+    rows = []
+    for length in (int(x) for x in args.lengths.split(",")):
+        q, k, v = structured_qkv(length, args.heads, args.kv_heads, args.head_dim, config.block_size,
+                                 torch.bfloat16, seed=length)  # fmt: skip
+        inputs = chunk_inputs(q, k, v, args.chunk, args.page_size)
+        rows.append(time_chunk("structured", *inputs, config, args.head_dim**-0.5, args.repeats))
+        print(json.dumps(rows[-1]), flush=True)
+    for path in map(Path, args.real):
+        data = torch.load(path, map_location="cuda")
+        q, k, v = (data[name].to(torch.bfloat16).contiguous() for name in ("q", "k", "v"))
+        chunk = min(args.chunk, q.shape[0] // 2)
+        inputs = chunk_inputs(q, k, v, chunk, args.page_size)
+        scale = data.get("scale") or q.shape[2] ** -0.5
+        rows.append(time_chunk(path.name, *inputs, config, scale, args.repeats))
+        print(json.dumps(rows[-1]), flush=True)
+
+    print("\n| input | length | chunk | density | FA3 ms | search ms | attention ms | ours ms (layout) | vs FA3 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['input']} | {r['length']} | {r['chunk']} | {r['density']:.3f} | {r['fa3_ms']:.3f} | "
+              f"{r['select_ms']:.3f} | {r['attention_ms']:.3f} | {r['total_ms']:.3f} ({r['total_layout_ms']:.3f}) | "
+              f"{r['speedup_vs_fa3']:.2f}x |")  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
