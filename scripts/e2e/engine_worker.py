@@ -9,6 +9,9 @@ Commands:
       -> {"tokens": [[ids], ...], "top": [[[[id, logprob], ...] per token] per prompt] (k > 0), "seconds": s}
       All prompts are submitted at once (one batch as the scheduler sees it), greedy.
   {"op": "ttft", "prompt": [ids]} -> {"seconds": s}   one request, one output token: the time to first token.
+  {"op": "prompt_logprobs", "prompts": [[ids], ...], "k": k}
+      -> {"top": [[None | [[id, logprob], ...] per position] per prompt]}   the model's top-k at every
+      prompt position given the tokens before it (teacher forcing).
   {"op": "exit"}
 """
 
@@ -62,6 +65,11 @@ def main() -> None:
             t0 = time.perf_counter()
             llm.generate([TokensPrompt(prompt_token_ids=command["prompt"])], params, use_tqdm=False)
             result = {"seconds": time.perf_counter() - t0}
+        elif op == "prompt_logprobs":
+            params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=command["k"])
+            prompts = [TokensPrompt(prompt_token_ids=ids) for ids in command["prompts"]]
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            result = {"top": [[None if p is None else top_logprobs(p) for p in o.prompt_logprobs] for o in outputs]}
         else:
             result = {"error": f"unknown op {op!r}"}
         reply.write(json.dumps(result) + "\n")

@@ -306,17 +306,41 @@ def equality_stage(results: dict, gpus: str, model: str, tp: int, tag: str) -> N
             w.call(op="generate", prompts=[first], max_tokens=1)
             cache[side] = w.call(op="generate", prompts=[second], max_tokens=32, logprobs=2)
         rows += [dict(r, prompt="prefix-cache hit") for r in compare_tokens(cache["u"], cache["p"])]
+        forced = teacher_forced(up, pa, batch + [second], out["u"]["tokens"] + cache["u"]["tokens"])
         for row, n in zip(rows, [len(p) for p in batch] + [len(second)]):
             row["prompt_tokens"] = n
         results[f"{tag}_greedy_threshold0"] = {
             "model": model, "tp": tp, "equal": sum(r["equal"] for r in rows), "prompts": len(rows), "rows": rows,
             "engine": "chunked prefill 2048, prefix caching on, patched --sparse-prefill-min-len 512",
+            "teacher_forced": forced,
         }  # fmt: skip
         say(f"{tag} greedy threshold 0: {sum(r['equal'] for r in rows)}/{len(rows)} prompts equal; "
             f"differing: {[r for r in rows if not r['equal']]}")
     finally:
         up.close()
         pa.close()
+
+
+def teacher_forced(up: Worker, pa: Worker, prompts: list[list[int]], generated: list[list[int]]) -> dict:
+    """Both sides score the same text, each prompt followed by upstream's greedy tokens: at every
+    generated position, does the patched engine's top-1 match upstream's, and by how much does the
+    log-prob of upstream's token differ? Free of the divergence that one flipped near-tie causes in
+    free-running generation."""
+    texts = [p + g[:-1] for p, g in zip(prompts, generated)]
+    tops = {side: w.call(op="prompt_logprobs", prompts=texts, k=2)["top"] for side, w in (("u", up), ("p", pa))}
+    positions = agree = 0
+    max_diff = 0.0
+    for prompt, gen, top_u, top_p in zip(prompts, generated, tops["u"], tops["p"]):
+        for i, token in enumerate(gen):
+            pos = len(prompt) + i
+            if pos >= len(top_u) or top_u[pos] is None or top_p[pos] is None:
+                continue
+            positions += 1
+            agree += top_u[pos][0][0] == top_p[pos][0][0]
+            lp_u, lp_p = dict(map(tuple, top_u[pos])).get(token), dict(map(tuple, top_p[pos])).get(token)
+            if lp_u is not None and lp_p is not None:
+                max_diff = max(max_diff, abs(lp_u - lp_p))
+    return {"positions": positions, "top1_agree": agree, "max_abs_logprob_diff": max_diff}
 
 
 def needle_stage(results: dict, gpus: str) -> None:
@@ -629,6 +653,10 @@ def report(results: dict) -> str:
             r = results[key]
             lines.append(f"Greedy tokens, threshold 0, {r['model']} TP={r['tp']}: **{r['equal']}/{r['prompts']}** "
                          f"prompts equal to upstream ({r['engine']})")  # fmt: skip
+            if "teacher_forced" in r:
+                t = r["teacher_forced"]
+                lines.append(f"  teacher-forced on upstream's tokens: top-1 equal at {t['top1_agree']}/{t['positions']} "
+                             f"positions, max |log-prob difference| {t['max_abs_logprob_diff']:.3f} nats")  # fmt: skip
             for row in r["rows"]:
                 if not row["equal"]:
                     lines.append(f"  - prompt {row['prompt']} ({row['prompt_tokens']} tokens): first difference at "
