@@ -42,7 +42,7 @@ class FakeGpu:
     def run(self, output) -> None:
         pairs = 0
         if self.per_pair_s:
-            from vllm.v1.core.sched.step_time import attention_pairs
+            from prefill_accel.scheduling import attention_pairs
 
             for req_id, n in output.num_scheduled_tokens.items():
                 # schedule() has already advanced num_computed_tokens past this step's chunk.
@@ -134,7 +134,7 @@ def test_without_a_target_prefill_uses_the_whole_budget_left_by_decodes():
 
 
 def test_step_time_model_fits_fixed_token_and_attention_costs():
-    from vllm.v1.core.sched.step_time import StepTimeModel, attention_pairs
+    from prefill_accel.scheduling import StepTimeModel, attention_pairs
 
     c0, c1, c2 = 0.004, 30e-6, 2e-9
     model = StepTimeModel(token_scale=2048, pair_scale=2048 * 131072)

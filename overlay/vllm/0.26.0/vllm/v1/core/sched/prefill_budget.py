@@ -25,6 +25,8 @@ max-min fairly like the tokens, so a long prompt's chunk cannot take it all eith
 
 from collections.abc import Iterable
 
+from prefill_accel.scheduling import water_level
+
 from vllm.config import SchedulerConfig
 from vllm.v1.core.sched.step_time import StepTimeBudget
 from vllm.v1.request import Request
@@ -34,23 +36,6 @@ def remaining_prefill_tokens(request: Request) -> int:
     """Tokens the request still has to compute before it can decode (prompt, or prompt and
     earlier outputs for a preempted request)."""
     return max(request.num_tokens - request.num_computed_tokens, 0)
-
-
-def water_level(demands: list, budget):
-    """Largest per-prefill cap L with sum(min(d, L) for d in demands) <= budget (tokens as
-    ints, or seconds as floats).
-
-    With enough budget for every demand, L is the largest demand (nobody is capped).
-    """
-    if not demands:
-        return budget
-    left, count = budget, len(demands)
-    for demand in sorted(demands):
-        if demand * count > left:
-            return left / count if isinstance(left, float) else left // count
-        left -= demand
-        count -= 1
-    return max(demands)
 
 
 class PrefillBudget:

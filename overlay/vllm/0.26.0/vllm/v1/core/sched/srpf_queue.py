@@ -20,6 +20,8 @@ resumes ahead of younger ones.
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+from prefill_accel.scheduling import aged_remaining
+
 from vllm.config import SchedulerConfig
 from vllm.v1.core.sched.request_queue import (
     RequestQueue,
@@ -54,9 +56,8 @@ class ShortestRemainingPrefillQueue(RequestQueue):
         self._peeked: Request | None = None
 
     def key(self, request: Request, now: float) -> tuple:
-        waited = max(now - request.arrival_time, 0.0)
-        remaining = max(request.num_tokens - request.num_computed_tokens, 0)
-        aged = remaining * max(1.0 - waited / self.aging_s, 0.0)
+        remaining = request.num_tokens - request.num_computed_tokens
+        aged = aged_remaining(remaining, now - request.arrival_time, self.aging_s)
         srpf = (aged, request.arrival_time, request.request_id)
         return (request.priority, *srpf) if self.by_priority else srpf
 

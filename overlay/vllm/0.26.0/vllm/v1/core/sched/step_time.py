@@ -27,12 +27,12 @@ the attention FLOPs per token overtake the linear layers' beyond ~32K tokens of 
 a per-token average learnt on early chunks of a 128K prompt underestimates the late ones
 several times. Sparse attention lowers c2, which the fit picks up by itself.
 
-The coefficients are an exponentially weighted least-squares fit (forgetting factor
-`FORGETTING`, i.e. an EWMA of the normal equations), solved with non-negative coefficients.
-A step's wall time is measured from its schedule() until its update_from_output(), started no
+The model lives in the runtime package (`prefill_accel.scheduling.StepTimeModel`, shared with the
+other engines): an exponentially weighted least-squares fit (an EWMA of the normal equations),
+solved with non-negative coefficients. A step's wall time is measured from its schedule() until its update_from_output(), started no
 earlier than the previous update_from_output(): with a batch queue (async scheduling) a step
-starts running when the one before it finished, not when it was scheduled. Until
-`WARMUP_STEPS` steps have been seen, or while no decode is running (nobody's inter-token
+starts running when the one before it finished, not when it was scheduled. Until the model
+has seen a few steps (`WARMUP_STEPS`), or while no decode is running (nobody's inter-token
 latency is at stake), prefills are not capped by the target. When the decodes alone are
 predicted to exceed the target, prefill chunks still get `min_prefill_tokens` (the step's first
 one, or each one when partial-prefill limits bound their number) so prefills cannot starve,
@@ -44,16 +44,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from prefill_accel.scheduling import StepTimeModel, attention_pairs
+
 from vllm.logger import init_logger
 from vllm.v1.request import Request
 
-# Weight of older steps per new step: ~20 steps of memory, quick enough to follow a prefill
-# whose context grows every step, long enough to average out step-to-step noise.
-FORGETTING = 0.95
-# Steps observed before the model may cap prefills (three coefficients need a few points).
-WARMUP_STEPS = 4
-# Ridge weight relative to the data, keeps the solve defined while a feature has not varied.
-RIDGE = 1e-9
 # Scheduled steps waiting for their output; more than the deepest batch queue in use.
 MAX_IN_FLIGHT_STEPS = 8
 # Consecutive steps whose decodes alone exceed the target before that is reported.
@@ -73,94 +68,6 @@ def decode_tokens(request: Request, step: int) -> int:
         - request.num_computed_tokens,
         0,
     )
-
-
-def attention_pairs(num_computed_tokens: int, num_new_tokens: int) -> int:
-    """Query-key pairs of a chunk of num_new_tokens after num_computed_tokens (causal)."""
-    q = num_new_tokens
-    return q * num_computed_tokens + q * (q + 1) // 2
-
-
-def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting for a small dense system."""
-    n = len(rhs)
-    a = [row[:] + [rhs[i]] for i, row in enumerate(matrix)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        a[col], a[pivot] = a[pivot], a[col]
-        if a[col][col] == 0.0:
-            continue
-        for r in range(col + 1, n):
-            f = a[r][col] / a[col][col]
-            for k in range(col, n + 1):
-                a[r][k] -= f * a[col][k]
-    x = [0.0] * n
-    for r in reversed(range(n)):
-        if a[r][r] != 0.0:
-            x[r] = (a[r][n] - sum(a[r][k] * x[k] for k in range(r + 1, n))) / a[r][r]
-    return x
-
-
-class StepTimeModel:
-    """Online fit of step seconds = c0 + c1 * tokens + c2 * attention_pairs."""
-
-    def __init__(self, token_scale: float, pair_scale: float) -> None:
-        # Features are scaled to ~[0, 1] so the ridge term means the same for each.
-        self._scales = (1.0, float(token_scale), float(pair_scale))
-        self._xtx = [[0.0] * 3 for _ in range(3)]
-        self._xty = [0.0] * 3
-        self.num_observations = 0
-        self.coefficients = (0.0, 0.0, 0.0)
-
-    def observe(self, tokens: int, pairs: int, seconds: float) -> None:
-        x = [1.0, tokens / self._scales[1], pairs / self._scales[2]]
-        for i in range(3):
-            self._xty[i] = FORGETTING * self._xty[i] + x[i] * seconds
-            for j in range(3):
-                self._xtx[i][j] = FORGETTING * self._xtx[i][j] + x[i] * x[j]
-        self.num_observations += 1
-        self.coefficients = self._fit()
-
-    def _fit(self) -> tuple[float, float, float]:
-        """Least squares with non-negative coefficients (active set over three features)."""
-        active = [0, 1, 2]
-        while active:
-            ridge = RIDGE * max(self._xtx[i][i] for i in range(3))
-            sub = [[self._xtx[i][j] + (ridge if i == j else 0.0) for j in active] for i in active]
-            solution = _solve(sub, [self._xty[i] for i in active])
-            negative = [i for i, v in zip(active, solution) if v < 0.0]
-            if not negative:
-                scaled = dict(zip(active, solution))
-                return tuple(scaled.get(i, 0.0) / self._scales[i] for i in range(3))
-            active.remove(min(negative, key=lambda i: solution[active.index(i)]))
-        return (0.0, 0.0, 0.0)
-
-    @property
-    def ready(self) -> bool:
-        return self.num_observations >= WARMUP_STEPS
-
-    def predict(self, tokens: float, pairs: float) -> float:
-        c0, c1, c2 = self.coefficients
-        return c0 + c1 * tokens + c2 * pairs
-
-    def chunk_seconds(self, num_tokens: int, context: int) -> float:
-        """Predicted time a prefill chunk of num_tokens after `context` computed tokens adds to a step."""
-        _, c1, c2 = self.coefficients
-        return c1 * num_tokens + c2 * attention_pairs(context, num_tokens)
-
-    def max_chunk(self, seconds: float, context: int) -> int | None:
-        """Largest chunk x at `context` computed tokens with chunk_seconds(x, context) <= seconds;
-        None when unbounded (no cost learnt). Solves c2/2 x^2 + (c1 + c2 (context + 1/2)) x <= seconds.
-        """
-        if seconds <= 0.0:
-            return 0
-        _, c1, c2 = self.coefficients
-        a, b = c2 / 2.0, c1 + c2 * (context + 0.5)
-        if a > 0.0:
-            return int((-b + math.sqrt(b * b + 4.0 * a * seconds)) / (2.0 * a))
-        if b > 0.0:
-            return int(seconds / b)
-        return None
 
 
 class StepTimeBudget:

@@ -1,0 +1,134 @@
+"""Engine-agnostic pieces of prefill-accel's scheduling policies, shared by the engine overlays.
+
+Pure Python, no engine types: the overlay modules of each engine (vLLM 0.26.0 V1, vLLM 0.6.3 V0)
+adapt their requests to these functions.
+
+* :func:`water_level`: the max-min fair share of a step's prefill budget (tokens or seconds).
+* :func:`attention_pairs` and :class:`StepTimeModel`: the online model of a step's wall time,
+  ``c0 + c1 * tokens + c2 * attention_pairs``, behind ``--max-step-latency-ms``.
+* :func:`aged_remaining`: the shortest-remaining-prefill-first key with aging (``--prefill-order srpf``).
+"""
+
+from __future__ import annotations
+
+import math
+
+# Weight of older steps per new step: ~20 steps of memory, quick enough to follow a prefill
+# whose context grows every step, long enough to average out step-to-step noise.
+FORGETTING = 0.95
+# Steps observed before the model may cap prefills (three coefficients need a few points).
+WARMUP_STEPS = 4
+# Ridge weight relative to the data, keeps the solve defined while a feature has not varied.
+RIDGE = 1e-9
+
+
+def water_level(demands: list, budget):
+    """Largest per-prefill cap L with sum(min(d, L) for d in demands) <= budget (tokens as
+    ints, or seconds as floats).
+
+    With enough budget for every demand, L is the largest demand (nobody is capped).
+    """
+    if not demands:
+        return budget
+    left, count = budget, len(demands)
+    for demand in sorted(demands):
+        if demand * count > left:
+            return left / count if isinstance(left, float) else left // count
+        left -= demand
+        count -= 1
+    return max(demands)
+
+
+def attention_pairs(num_computed_tokens: int, num_new_tokens: int) -> int:
+    """Query-key pairs of a chunk of num_new_tokens after num_computed_tokens (causal)."""
+    q = num_new_tokens
+    return q * num_computed_tokens + q * (q + 1) // 2
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting for a small dense system."""
+    n = len(rhs)
+    a = [row[:] + [rhs[i]] for i, row in enumerate(matrix)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        if a[col][col] == 0.0:
+            continue
+        for r in range(col + 1, n):
+            f = a[r][col] / a[col][col]
+            for k in range(col, n + 1):
+                a[r][k] -= f * a[col][k]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        if a[r][r] != 0.0:
+            x[r] = (a[r][n] - sum(a[r][k] * x[k] for k in range(r + 1, n))) / a[r][r]
+    return x
+
+
+class StepTimeModel:
+    """Online fit of step seconds = c0 + c1 * tokens + c2 * attention_pairs."""
+
+    def __init__(self, token_scale: float, pair_scale: float) -> None:
+        # Features are scaled to ~[0, 1] so the ridge term means the same for each.
+        self._scales = (1.0, float(token_scale), float(pair_scale))
+        self._xtx = [[0.0] * 3 for _ in range(3)]
+        self._xty = [0.0] * 3
+        self.num_observations = 0
+        self.coefficients = (0.0, 0.0, 0.0)
+
+    def observe(self, tokens: int, pairs: int, seconds: float) -> None:
+        x = [1.0, tokens / self._scales[1], pairs / self._scales[2]]
+        for i in range(3):
+            self._xty[i] = FORGETTING * self._xty[i] + x[i] * seconds
+            for j in range(3):
+                self._xtx[i][j] = FORGETTING * self._xtx[i][j] + x[i] * x[j]
+        self.num_observations += 1
+        self.coefficients = self._fit()
+
+    def _fit(self) -> tuple[float, float, float]:
+        """Least squares with non-negative coefficients (active set over three features)."""
+        active = [0, 1, 2]
+        while active:
+            ridge = RIDGE * max(self._xtx[i][i] for i in range(3))
+            sub = [[self._xtx[i][j] + (ridge if i == j else 0.0) for j in active] for i in active]
+            solution = _solve(sub, [self._xty[i] for i in active])
+            negative = [i for i, v in zip(active, solution) if v < 0.0]
+            if not negative:
+                scaled = dict(zip(active, solution))
+                return tuple(scaled.get(i, 0.0) / self._scales[i] for i in range(3))
+            active.remove(min(negative, key=lambda i: solution[active.index(i)]))
+        return (0.0, 0.0, 0.0)
+
+    @property
+    def ready(self) -> bool:
+        return self.num_observations >= WARMUP_STEPS
+
+    def predict(self, tokens: float, pairs: float) -> float:
+        c0, c1, c2 = self.coefficients
+        return c0 + c1 * tokens + c2 * pairs
+
+    def chunk_seconds(self, num_tokens: int, context: int) -> float:
+        """Predicted time a prefill chunk of num_tokens after `context` computed tokens adds to a step."""
+        _, c1, c2 = self.coefficients
+        return c1 * num_tokens + c2 * attention_pairs(context, num_tokens)
+
+    def max_chunk(self, seconds: float, context: int) -> int | None:
+        """Largest chunk x at `context` computed tokens with chunk_seconds(x, context) <= seconds;
+        None when unbounded (no cost learnt). Solves c2/2 x^2 + (c1 + c2 (context + 1/2)) x <= seconds.
+        """
+        if seconds <= 0.0:
+            return 0
+        _, c1, c2 = self.coefficients
+        a, b = c2 / 2.0, c1 + c2 * (context + 0.5)
+        if a > 0.0:
+            return int((-b + math.sqrt(b * b + 4.0 * a * seconds)) / (2.0 * a))
+        if b > 0.0:
+            return int(seconds / b)
+        return None
+
+
+def aged_remaining(remaining_tokens: int, waited_s: float, aging_s: float) -> float:
+    """SRPF key with aging: remaining prefill tokens scaled by ``1 - waited / aging_s`` (floored at
+    0), so precedence rises linearly with waiting and every request that waited ``aging_s`` sorts
+    first."""
+    return max(remaining_tokens, 0) * max(1.0 - max(waited_s, 0.0) / aging_s, 0.0)
