@@ -1,0 +1,121 @@
+"""Per-step prefill token budget shared among concurrent partial prefills, V0 scheduler (prefill-accel).
+
+With chunked prefill, vLLM 0.6.3's scheduler gives each prefill chunk what is left of the step's
+token budget, in queue order: the first long prompt takes the whole step and a short prompt behind
+it waits until it is done. With `--max-num-partial-prefills N` (N > 1) this module limits and
+shares the budget, with the same semantics as the vLLM 0.26.0 series:
+
+* Admission: at most N requests prefill at once (running prefill chunks plus those admitted this
+  step), at most `--max-long-partial-prefills` of them long (more than
+  `--long-prefill-token-threshold` tokens left); a long request that finds those slots taken is
+  skipped, keeping its place, so a shorter one behind it starts.
+* Sharing: the prefill tokens left after the running decodes are split max-min fairly (water
+  filling) over the prefills expected in the step, so a short prompt finishes in one step while
+  a long one takes the rest.
+* `--long-prefill-token-threshold T` > 0 caps every prefill chunk at T tokens, with or without
+  the limits.
+
+The arithmetic is the runtime package's (`prefill_accel.scheduling`); this module adapts V0's
+sequence groups to it.
+"""
+
+from typing import Iterable, Optional
+
+from prefill_accel.scheduling import water_level
+
+from vllm.config import SchedulerConfig
+from vllm.sequence import SequenceGroup, SequenceStatus
+
+
+def remaining_prefill_tokens(seq_group: SequenceGroup) -> int:
+    """Tokens the group's prompt still has to compute (0 once it decodes)."""
+    if not seq_group.is_prefill():
+        return 0
+    return sum(seq.get_num_new_tokens() for seq in seq_group.get_seqs()
+               if not seq.is_finished())
+
+
+class PrefillBudget:
+    """Call `begin_step` once per scheduling step, `admission` before taking a waiting group,
+    `cap` on every prefill chunk's size and `consume` once the chunk is scheduled."""
+
+    ADMIT, SKIP, STOP = "admit", "skip", "stop"
+
+    def __init__(self, scheduler_config: SchedulerConfig,
+                 block_size: int) -> None:
+        self.max_partial = scheduler_config.max_num_partial_prefills
+        self.max_long_partial = scheduler_config.max_long_partial_prefills
+        self.long_threshold = scheduler_config.long_prefill_token_threshold
+        self.limits_enabled = self.max_partial > 1
+        self.block_size = block_size
+        self._level: Optional[int] = None
+        self._num_partial = 0
+        self._num_long_partial = 0
+
+    def is_long(self, seq_group: SequenceGroup) -> bool:
+        return 0 < self.long_threshold < remaining_prefill_tokens(seq_group)
+
+    def _chunk_demand(self, seq_group: SequenceGroup) -> int:
+        remaining = remaining_prefill_tokens(seq_group)
+        if 0 < self.long_threshold < remaining:
+            return self.long_threshold
+        return remaining
+
+    def begin_step(self, running: Iterable[SequenceGroup],
+                   waiting: Iterable[SequenceGroup], token_budget: int) -> None:
+        """Start a step of `token_budget` tokens; decodes are served first, prefills share the rest."""
+        self._level = None
+        if not self.limits_enabled:
+            return
+        prefilling, decode_tokens = [], 0
+        for seq_group in running:
+            if seq_group.is_prefill():
+                prefilling.append(seq_group)
+            else:
+                decode_tokens += seq_group.num_seqs(status=SequenceStatus.RUNNING)
+        self._num_partial = len(prefilling)
+        self._num_long_partial = sum(self.is_long(g) for g in prefilling)
+        # The waiting groups this step would admit, in queue order, to size the shares.
+        demands = [self._chunk_demand(g) for g in prefilling]
+        free = self.max_partial - self._num_partial
+        free_long = self.max_long_partial - self._num_long_partial
+        for seq_group in waiting:
+            if free <= 0:
+                break
+            if self.is_long(seq_group):
+                if free_long <= 0:
+                    continue
+                free_long -= 1
+            free -= 1
+            demands.append(self._chunk_demand(seq_group))
+        self._level = water_level(demands, max(token_budget - decode_tokens, 0))
+
+    def admission(self, seq_group: SequenceGroup) -> str:
+        """ADMIT, SKIP (a long group while the long slots are taken) or STOP (no slot left)."""
+        if not self.limits_enabled:
+            return self.ADMIT
+        if self._num_partial >= self.max_partial:
+            return self.STOP
+        if self.is_long(seq_group) and \
+                self._num_long_partial >= self.max_long_partial:
+            return self.SKIP
+        return self.ADMIT
+
+    def cap(self, num_new_tokens: int, aligned: bool) -> int:
+        """The chunk size allowed for a prefill asking for `num_new_tokens`; with `aligned` (prefix
+        caching) a cut chunk is a whole number of blocks, at least one."""
+        allowed = num_new_tokens
+        if self.long_threshold > 0:
+            allowed = min(allowed, self.long_threshold)
+        if self._level is not None:
+            allowed = min(allowed, max(self._level, 1))
+        if aligned and allowed < num_new_tokens:
+            allowed = max(allowed // self.block_size, 1) * self.block_size
+            allowed = min(allowed, num_new_tokens)
+        return allowed
+
+    def consume(self, seq_group: SequenceGroup, admitted: bool) -> None:
+        """Record a scheduled prefill chunk; `admitted` for a group taken from waiting."""
+        if admitted and self.limits_enabled:
+            self._num_partial += 1
+            self._num_long_partial += self.is_long(seq_group)
