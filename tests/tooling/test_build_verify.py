@@ -41,7 +41,8 @@ def test_built_venv_imports_the_patched_engine_and_logs_the_series(built_venv, t
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0, proc.stderr
     assert "prefill-accel 0.1.0 patch series" in proc.stdout
-    assert f"({VENV_TARGET}, 1 patch(es))" in proc.stdout
+    series = (targets.resolve(VENV_TARGET).patch_dir(ROOT) / "series").read_text().split()
+    assert f"({VENV_TARGET}, {len(series)} patch(es))" in proc.stdout
 
 
 def test_upstream_scheduler_tests_pass_against_the_installed_patched_engine(built_venv, targets, tmp_path):
@@ -62,7 +63,7 @@ def test_verify_passes_with_counts_for_both_trees(built_venv, targets):
     assert report.ok, rendered
     assert report.unpatched.count(PASSED) >= 900, rendered
     assert report.patched.count(PASSED) == report.unpatched.count(PASSED), rendered
-    assert report.ours.count(PASSED) == 4, rendered
+    assert report.ours.count(PASSED) > 0 and report.ours.count(FAILED) == 0, rendered
     assert "upstream tests, unpatched: " in rendered and "upstream tests, patched: " in rendered
 
 

@@ -35,10 +35,13 @@ def add(scheduler: Scheduler, request_id: str, prompt_length: int,
     return seq_group
 
 
-def step(scheduler: Scheduler) -> dict:
-    """One schedule(); returns {request id: tokens scheduled}, after advancing the computed
-    tokens and giving every group that finished its prompt a sampled token, as the engine does."""
+def step(scheduler: Scheduler, during_step=None) -> dict:
+    """One schedule(); returns {request id: tokens scheduled}, after `during_step(out)` (e.g. a
+    fake clock advanced by the step's cost), advancing the computed tokens and giving every group
+    that finished its prompt a sampled token, as the engine does."""
     metas, out, _ = scheduler.schedule()
+    if during_step is not None:
+        during_step(out)
     chunks = {}
     for scheduled, meta in zip(out.scheduled_seq_groups, metas):
         seq_group = scheduled.seq_group

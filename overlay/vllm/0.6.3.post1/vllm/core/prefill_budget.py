@@ -14,6 +14,8 @@ shares the budget, with the same semantics as the vLLM 0.26.0 series:
   a long one takes the rest.
 * `--long-prefill-token-threshold T` > 0 caps every prefill chunk at T tokens, with or without
   the limits.
+* With a step latency target (`step_time.py`), each chunk also fits the step's prefill time,
+  charged its own cost; with the limits on, the time is shared max-min fairly like the tokens.
 
 The arithmetic is the runtime package's (`prefill_accel.scheduling`); this module adapts V0's
 sequence groups to it.
@@ -24,6 +26,7 @@ from typing import Iterable, Optional
 from prefill_accel.scheduling import water_level
 
 from vllm.config import SchedulerConfig
+from vllm.core.step_time import StepTimeBudget
 from vllm.sequence import SequenceGroup, SequenceStatus
 
 
@@ -49,6 +52,8 @@ class PrefillBudget:
         self.limits_enabled = self.max_partial > 1
         self.block_size = block_size
         self._level: Optional[int] = None
+        self._limiter: Optional[StepTimeBudget] = None
+        self._seconds_level: Optional[float] = None
         self._num_partial = 0
         self._num_long_partial = 0
 
@@ -61,10 +66,17 @@ class PrefillBudget:
             return self.long_threshold
         return remaining
 
-    def begin_step(self, running: Iterable[SequenceGroup],
-                   waiting: Iterable[SequenceGroup], token_budget: int) -> None:
-        """Start a step of `token_budget` tokens; decodes are served first, prefills share the rest."""
+    def begin_step(self,
+                   running: Iterable[SequenceGroup],
+                   waiting: Iterable[SequenceGroup],
+                   token_budget: int,
+                   limiter: Optional[StepTimeBudget] = None) -> None:
+        """Start a step of `token_budget` tokens; decodes are served first, prefills share the
+        rest, and the step's prefill time under `limiter`'s target when it has one."""
         self._level = None
+        self._limiter = (limiter if limiter is not None
+                         and limiter.seconds_left is not None else None)
+        self._seconds_level = None
         if not self.limits_enabled:
             return
         prefilling, decode_tokens = [], 0
@@ -76,7 +88,7 @@ class PrefillBudget:
         self._num_partial = len(prefilling)
         self._num_long_partial = sum(self.is_long(g) for g in prefilling)
         # The waiting groups this step would admit, in queue order, to size the shares.
-        demands = [self._chunk_demand(g) for g in prefilling]
+        expected = list(prefilling)
         free = self.max_partial - self._num_partial
         free_long = self.max_long_partial - self._num_long_partial
         for seq_group in waiting:
@@ -87,8 +99,16 @@ class PrefillBudget:
                     continue
                 free_long -= 1
             free -= 1
-            demands.append(self._chunk_demand(seq_group))
+            expected.append(seq_group)
+        demands = [self._chunk_demand(g) for g in expected]
         self._level = water_level(demands, max(token_budget - decode_tokens, 0))
+        if self._limiter is not None:
+            seconds = [
+                self._limiter.chunk_seconds(g, min(d, self._level))
+                for g, d in zip(expected, demands)
+            ]
+            self._seconds_level = water_level(
+                seconds, max(self._limiter.seconds_left, 0.0))
 
     def admission(self, seq_group: SequenceGroup) -> str:
         """ADMIT, SKIP (a long group while the long slots are taken) or STOP (no slot left)."""
@@ -101,21 +121,29 @@ class PrefillBudget:
             return self.SKIP
         return self.ADMIT
 
-    def cap(self, num_new_tokens: int, aligned: bool) -> int:
-        """The chunk size allowed for a prefill asking for `num_new_tokens`; with `aligned` (prefix
-        caching) a cut chunk is a whole number of blocks, at least one."""
+    def cap(self, seq_group: SequenceGroup, num_new_tokens: int,
+            aligned: bool) -> int:
+        """The chunk size allowed for a prefill of `seq_group` asking for `num_new_tokens`; with
+        `aligned` (prefix caching) a cut chunk is a whole number of blocks, at least one."""
         allowed = num_new_tokens
         if self.long_threshold > 0:
             allowed = min(allowed, self.long_threshold)
         if self._level is not None:
             allowed = min(allowed, max(self._level, 1))
+        if self._limiter is not None:
+            allowed = self._limiter.limit(seq_group, allowed,
+                                          self._seconds_level,
+                                          floor_each=self.limits_enabled)
         if aligned and allowed < num_new_tokens:
             allowed = max(allowed // self.block_size, 1) * self.block_size
             allowed = min(allowed, num_new_tokens)
         return allowed
 
-    def consume(self, seq_group: SequenceGroup, admitted: bool) -> None:
+    def consume(self, seq_group: SequenceGroup, num_tokens: int,
+                admitted: bool) -> None:
         """Record a scheduled prefill chunk; `admitted` for a group taken from waiting."""
+        if self._limiter is not None:
+            self._limiter.consume(seq_group, num_tokens)
         if admitted and self.limits_enabled:
             self._num_partial += 1
             self._num_long_partial += self.is_long(seq_group)
