@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Simulate vLLM V1's real Scheduler on a long-plus-short workload with a per-token cost model, no GPU.
+"""Simulate vLLM's real scheduler (V1 or V0) on a long-plus-short workload with a cost model, no GPU.
 
-Drives `vllm.v1.core.sched.scheduler.Scheduler` step by step on simulated time: each step's
+Drives the scheduler of vLLM 0.26.0 (`--engine v1`, `vllm.v1.core.sched.scheduler.Scheduler`) or of
+vLLM 0.6.3 (`--engine v0`, `vllm.core.scheduler.Scheduler`) step by step on simulated time: each step's
 duration comes from a cost model (fixed + per token + per attention query-key pair, an 8B-class
 model on one H200-class GPU with dense attention; illustrative, not measured), fed back to the
 scheduler as its clock. Workload: background chats decoding from the start, one 128K-token
@@ -9,10 +10,11 @@ document, then short chat requests arriving every half second while the document
 Prints a Markdown table per scheduler configuration: short requests' time to first schedule
 and to first token, decode step time (inter-token latency) and decode stalls, document TTFT.
 
-Run it with a vLLM 0.26.0 tree (patched or not) first on PYTHONPATH and its CPU test
-dependencies installed; configurations whose options this vLLM lacks are reported as such:
+Run it with a vLLM tree (patched or not) and the runtime package first on PYTHONPATH, in that
+vLLM's CPU test environment; configurations whose options this vLLM lacks are reported as such:
 
-  PYTHONPATH=build/edit-sched python scripts/simulate_prefill_scheduling.py --configs all
+  PYTHONPATH=<vLLM 0.26.0 tree>:kernels python scripts/simulate_prefill_scheduling.py --configs all
+  PYTHONPATH=<vLLM 0.6.3 tree>:kernels python scripts/simulate_prefill_scheduling.py --engine v0
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ MODEL_CONFIG = {
     "bos_token_id": 128000, "eos_token_id": 128001,
 }
 BLOCK_SIZE = 16
+NUM_BLOCKS = 60_000
 
 PARTIAL = dict(max_num_partial_prefills=4, max_long_partial_prefills=1,
                long_prefill_token_threshold=8192)
@@ -80,41 +83,6 @@ def attention_pairs(computed: int, new: int) -> int:
     return new * computed + new * (new + 1) // 2
 
 
-def step_seconds(scheduler, output) -> float:
-    pairs = sum(attention_pairs(scheduler.requests[r].num_computed_tokens - n, n)
-                for r, n in output.num_scheduled_tokens.items())
-    return FIXED_S + PER_TOKEN_S * output.total_num_scheduled_tokens + PER_PAIR_S * pairs
-
-
-def make_scheduler(model_dir: str, max_num_batched_tokens: int, options: dict):
-    import torch
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
-                               max_model_len=MODEL_CONFIG["max_position_embeddings"])
-    scheduler_config = SchedulerConfig(
-        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=256,
-        max_model_len=model_config.max_model_len, is_encoder_decoder=False,
-        enable_chunked_prefill=True, async_scheduling=False, **options)
-    num_blocks = 60_000
-    cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
-    cache_config.num_gpu_blocks = num_blocks
-    vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
-                             cache_config=cache_config)
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
-            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32))])
-    register_all_kvcache_specs(vllm_config)
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                     structured_output_manager=StructuredOutputManager(vllm_config),
-                     block_size=BLOCK_SIZE, log_stats=False)
-
-
 class SimClock:
     def __init__(self) -> None:
         self.now = 1_000_000.0
@@ -123,22 +91,151 @@ class SimClock:
         return self.now
 
 
-def simulate(model_dir: str, max_num_batched_tokens: int, options: dict,
-             arrivals: list[Arrival], max_steps: int) -> dict:
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
+class V1Engine:
+    """vLLM 0.26.0's V1 `Scheduler`, fed requests and model outputs as the engine core does."""
 
-    scheduler = make_scheduler(model_dir, max_num_batched_tokens, options)
+    def __init__(self, max_num_batched_tokens: int, options: dict, clock: SimClock, model_dir: str):
+        import torch
+        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
+                                   max_model_len=MODEL_CONFIG["max_position_embeddings"])
+        scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=256,
+            max_model_len=model_config.max_model_len, is_encoder_decoder=False,
+            enable_chunked_prefill=True, async_scheduling=False, **options)
+        cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
+        cache_config.num_gpu_blocks = NUM_BLOCKS
+        vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
+                                 cache_config=cache_config)
+        kv_cache_config = KVCacheConfig(
+            num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
+                block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+        register_all_kvcache_specs(vllm_config)
+        self.scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(vllm_config),
+                                   block_size=BLOCK_SIZE, log_stats=False)
+        # The patched scheduler's clocks (step timing, SRPF aging) run on simulated time.
+        for part in ("step_time", "waiting", "skipped_waiting"):
+            if hasattr(getattr(self.scheduler, part, None), "clock"):
+                getattr(self.scheduler, part).clock = clock
+
+    def add(self, a: Arrival, arrival_time: float) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        self.scheduler.add_request(Request(
+            request_id=a.name, prompt_token_ids=[7] * a.prompt_tokens,
+            sampling_params=SamplingParams(max_tokens=a.output_tokens, ignore_eos=True),
+            pooling_params=None, arrival_time=arrival_time))
+
+    def has_requests(self) -> bool:
+        return self.scheduler.has_requests()
+
+    def decoding(self) -> set[str]:
+        return {r.request_id for r in self.scheduler.running
+                if not r.is_prefill_chunk and r.num_output_tokens > 0}
+
+    def schedule(self) -> dict[str, tuple[int, int]]:
+        """{request: (tokens this step, context before them)}."""
+        self._output = self.scheduler.schedule()
+        return {r: (n, self.scheduler.requests[r].num_computed_tokens - n)
+                for r, n in self._output.num_scheduled_tokens.items()}
+
+    def complete(self) -> list[str]:
+        """Feed back the step's output; the requests that produced a token."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        req_ids = list(self._output.num_scheduled_tokens)
+        done = [not self.scheduler.requests[r].is_prefill_chunk for r in req_ids]
+        self.scheduler.update_from_output(self._output, ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[1] if d else [] for d in done], logprobs=None,
+            prompt_logprobs_dict={}, pooler_output=[]))
+        return [r for r, d in zip(req_ids, done) if d]
+
+
+class V0Engine:
+    """vLLM 0.6.3's V0 `Scheduler`, fed requests and sampled tokens as `LLMEngine.step` does."""
+
+    def __init__(self, max_num_batched_tokens: int, options: dict, clock: SimClock, model_dir: str):
+        from vllm.config import CacheConfig, SchedulerConfig
+        from vllm.core.scheduler import Scheduler
+
+        scheduler_config = SchedulerConfig(max_num_batched_tokens, 256,
+                                           MODEL_CONFIG["max_position_embeddings"],
+                                           enable_chunked_prefill=True, **options)
+        cache_config = CacheConfig(BLOCK_SIZE, 1.0, 1, "auto")
+        cache_config.num_gpu_blocks = NUM_BLOCKS
+        cache_config.num_cpu_blocks = 1024
+        self.scheduler = Scheduler(scheduler_config, cache_config, None)
+        if hasattr(self.scheduler, "step_time"):
+            self.scheduler.step_time.clock = clock
+        try:  # SRPF aging in the patched tree reads this clock
+            import vllm.core.srpf_order as srpf_order
+            srpf_order.clock = clock
+        except ImportError:
+            pass
+        self.groups = {}
+        self._next_seq_id = 0
+
+    def add(self, a: Arrival, arrival_time: float) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.sequence import Sequence, SequenceGroup
+
+        self._next_seq_id += 1
+        seq = Sequence(self._next_seq_id, inputs={"prompt": "", "prompt_token_ids": [7] * a.prompt_tokens},
+                       block_size=BLOCK_SIZE)
+        group = SequenceGroup(request_id=a.name, seqs=[seq], arrival_time=arrival_time,
+                              sampling_params=SamplingParams(max_tokens=a.output_tokens, ignore_eos=True))
+        self.groups[a.name] = group
+        self.scheduler.add_seq_group(group)
+
+    def has_requests(self) -> bool:
+        return self.scheduler.has_unfinished_seqs()
+
+    def decoding(self) -> set[str]:
+        return {g.request_id for g in self.scheduler.running
+                if not g.is_prefill() and g.seqs[0].get_output_len() > 0}
+
+    def schedule(self) -> dict[str, tuple[int, int]]:
+        metas, out, _ = self.scheduler.schedule()
+        self._scheduled = [(s.seq_group, m.token_chunk_size) for s, m in zip(out.scheduled_seq_groups, metas)]
+        return {g.request_id: (n, g.seqs[0].data.get_num_computed_tokens()) for g, n in self._scheduled}
+
+    def complete(self) -> list[str]:
+        from vllm.sequence import Logprob, SequenceStatus
+
+        produced = []
+        for group, n in self._scheduled:
+            group.update_num_computed_tokens(n)
+            if group.is_prefill():
+                continue
+            seq = group.seqs[0]
+            seq.append_token_id(1, {1: Logprob(0.0)})
+            produced.append(group.request_id)
+            if seq.get_output_len() >= group.sampling_params.max_tokens:
+                seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+        self.scheduler.free_finished_seq_groups()
+        return produced
+
+
+ENGINES = {"v1": V1Engine, "v0": V0Engine}
+
+
+def simulate(engine_cls, model_dir: str, max_num_batched_tokens: int, options: dict,
+             arrivals: list[Arrival], max_steps: int) -> dict:
     clock = SimClock()
     t0 = clock.now
-    # The patched scheduler's clocks (step timing, SRPF aging) run on simulated time.
-    for part in ("step_time", "waiting", "skipped_waiting"):
-        if hasattr(getattr(scheduler, part, None), "clock"):
-            getattr(scheduler, part).clock = clock
-
+    engine = engine_cls(max_num_batched_tokens, options, clock, model_dir)
     pending = sorted(arrivals, key=lambda a: a.at_s)
     kinds = {a.name: a for a in arrivals}
+    chats = [a.name for a in arrivals if a.kind == "chat"]
     first_scheduled: dict[str, float] = {}
     first_token: dict[str, float] = {}
     decode_steps: list[float] = []
@@ -146,37 +243,24 @@ def simulate(model_dir: str, max_num_batched_tokens: int, options: dict,
     for _ in range(max_steps):
         while pending and pending[0].at_s <= clock.now - t0:
             a = pending.pop(0)
-            params = SamplingParams(max_tokens=a.output_tokens, ignore_eos=True)
-            scheduler.add_request(Request(
-                request_id=a.name, prompt_token_ids=[7] * a.prompt_tokens,
-                sampling_params=params, pooling_params=None, arrival_time=t0 + a.at_s))
-        if not scheduler.has_requests():
+            engine.add(a, t0 + a.at_s)
+        if not engine.has_requests():
             clock.now = t0 + pending[0].at_s
             continue
-        decoding = {r.request_id for r in scheduler.running if not r.is_prefill_chunk
-                    and r.num_output_tokens > 0}
-        output = scheduler.schedule()
-        duration = step_seconds(scheduler, output)
+        decoding = engine.decoding()
+        chunks = engine.schedule()
+        duration = FIXED_S + sum(PER_TOKEN_S * n + PER_PAIR_S * attention_pairs(c, n) for n, c in chunks.values())
         clock.now += max(duration, 1e-4)
         if decoding:
             decode_steps.append(duration)
-            stalls += len(decoding - set(output.num_scheduled_tokens))
-        req_ids = list(output.num_scheduled_tokens)
-        sampled = []
-        for r in req_ids:
+            stalls += len(decoding - set(chunks))
+        for r in chunks:
             first_scheduled.setdefault(r, clock.now - duration - t0 - kinds[r].at_s)
-            done = not scheduler.requests[r].is_prefill_chunk
-            if done:
-                first_token.setdefault(r, clock.now - t0 - kinds[r].at_s)
-            sampled.append([1] if done else [])
-        scheduler.update_from_output(output, ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=[]))
-        chats = [a.name for a in arrivals if a.kind == "chat"]
+        for r in engine.complete():
+            first_token.setdefault(r, clock.now - t0 - kinds[r].at_s)
         if "doc" in first_token and all(c in first_token for c in chats):
             break
 
-    chats = [a.name for a in arrivals if a.kind == "chat"]
     ttfs = [first_scheduled[c] for c in chats if c in first_scheduled]
     ttft = [first_token[c] for c in chats if c in first_token]
     decode_steps.sort()
@@ -212,6 +296,8 @@ def main() -> int:
     parser.add_argument("--background", type=int, default=16, help="chats decoding throughout")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-steps", type=int, default=20_000)
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="v1",
+                        help="v1: vLLM 0.26.0's scheduler (vllm.v1.core.sched); v0: vLLM 0.6.3's (vllm.core)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
@@ -220,19 +306,21 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
     import vllm
-    import vllm.platforms
-    from vllm.platforms.cpu import CpuPlatform
 
-    # Nothing runs on a device; on a machine without one vLLM's platform would be "unspecified".
-    vllm.platforms.current_platform = CpuPlatform()
+    if args.engine == "v1":
+        # Nothing runs on a device; on a machine without one vLLM 0.26's platform would be "unspecified".
+        import vllm.platforms
+        from vllm.platforms.cpu import CpuPlatform
+
+        vllm.platforms.current_platform = CpuPlatform()
     arrivals = workload(args.doc_tokens, args.chats, args.background)
     results = {}
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(MODEL_CONFIG))
         for name in names:
             try:
-                results[name] = simulate(model_dir, args.max_num_batched_tokens, CONFIGS[name],
-                                         arrivals, args.max_steps)
+                results[name] = simulate(ENGINES[args.engine], model_dir, args.max_num_batched_tokens,
+                                         CONFIGS[name], arrivals, args.max_steps)
             except (TypeError, ValueError) as e:
                 if "unexpected keyword" not in str(e) and "Unexpected keyword" not in str(e):
                     raise
@@ -246,7 +334,7 @@ def main() -> int:
     print(f"workload: {args.background} chats decoding throughout; one {args.doc_tokens}-token "
           f"document at 0.5 s with a burst of 4 chats right behind it, then chats every 0.5 s "
           f"({args.chats} chats of 300 tokens in all); max_num_batched_tokens="
-          f"{args.max_num_batched_tokens}; vllm from {vllm.__file__}\n")
+          f"{args.max_num_batched_tokens}; {args.engine} scheduler of vllm {vllm.__version__} from {vllm.__file__}\n")
     print("| config | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for name, r in results.items():

@@ -21,13 +21,17 @@ from prefill_accel.scheduling import aged_remaining
 from vllm.core.prefill_budget import remaining_prefill_tokens
 from vllm.sequence import SequenceGroup
 
+# Wall-clock seconds, the time base of SequenceGroup.arrival_time; a simulation on simulated
+# time replaces it (scripts/simulate_prefill_scheduling.py --engine v0).
+clock = time.time
+
 
 def srpf_ordered(waiting: Iterable[SequenceGroup],
                  aging_s: float,
                  by_priority: bool,
                  now: Optional[float] = None) -> Deque[SequenceGroup]:
     """The waiting groups, highest precedence first (a stable sort)."""
-    now = time.time() if now is None else now
+    now = clock() if now is None else now
 
     def key(seq_group: SequenceGroup) -> tuple:
         aged = aged_remaining(remaining_prefill_tokens(seq_group),
