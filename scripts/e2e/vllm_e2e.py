@@ -422,7 +422,13 @@ def offline_phase(results: dict, gpus: str, args) -> None:
         run_stage(results, name, stage)
 
 
+SKIP: set[str] = set()
+
+
 def run_stage(results: dict, name: str, stage) -> None:
+    if name in SKIP:
+        say(f"stage {name} skipped (--skip)")
+        return
     t0 = time.monotonic()
     try:
         stage()
@@ -696,8 +702,12 @@ def main() -> None:
     parser.add_argument("--mixed-long", type=int, default=98304, help="tokens of the long request of the mixed load")
     parser.add_argument("--mixed-rate", type=float, default=4.0, help="short chats per second")
     parser.add_argument("--mixed-seconds", type=float, default=20.0)
+    parser.add_argument("--skip", default="", help="comma-separated stage names to leave out (smol_equality, "
+                        "gemma_needles, offline_ttft, serve_ttft, mixed_load, chunk_bench, engine_density, "
+                        "tp2_equality, tp2_ttft)")  # fmt: skip
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    SKIP.update(name for name in args.skip.split(",") if name)
 
     import torch
 
