@@ -28,9 +28,10 @@ if not torch.cuda.is_available():
 import numpy as np  # noqa: E402
 from prefill_accel import SparsePrefillConfig, reference  # noqa: E402
 from prefill_accel.api import _unsupported_reason  # noqa: E402
+from prefill_accel.flags import kernel_field  # noqa: E402
 
 from vllm.config.attention import AttentionConfig  # noqa: E402
-from vllm.config.sparse_prefill import SPARSE_PREFILL_FIELDS, flag, kernel_field, sparse_prefill_settings  # noqa: E402
+from vllm.config.sparse_prefill import SPARSE_PREFILL_FIELDS, flag, sparse_prefill_settings  # noqa: E402
 from vllm.v1.attention.backends import flash_attn, sparse_prefill_attn  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 from vllm.v1.attention.backends.sparse_prefill_runs import RequestRun, split_long_prefills, with_layouts  # noqa: E402
