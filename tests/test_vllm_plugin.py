@@ -1,4 +1,4 @@
-"""The vLLM general plugin: inert without vLLM or on other versions, loud on an unpatched vLLM 0.26.0."""
+"""The vLLM general plugin: inert without vLLM or on other versions, loud on an unpatched vLLM 0.26.0 or 0.6.3."""
 
 import logging
 import sys
@@ -16,12 +16,17 @@ PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
 def fake_vllm(monkeypatch, version, members):
-    """Stand-in vllm package with the registry module the plugin reads."""
-    modules = {name: types.ModuleType(name) for name in (
-        "vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends", "vllm.v1.attention.backends.registry")}
+    """Stand-in vllm package with the module holding the backend names the plugin reads: V1's registry
+    (0.26.0) or V0's selector (0.6.3)."""
+    v0 = version.startswith("0.6.")
+    path = ("vllm", "vllm.attention", "vllm.attention.selector") if v0 else (
+        "vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends", "vllm.v1.attention.backends.registry")
+    modules = {name: types.ModuleType(name) for name in path}
     modules["vllm"].__version__ = version
-    modules["vllm.v1.attention.backends.registry"].AttentionBackendEnum = Enum(
-        "AttentionBackendEnum", {name: f"path.{name}" for name in members})
+    enum_name = "_Backend" if v0 else "AttentionBackendEnum"
+    setattr(modules[path[-1]], enum_name, Enum(enum_name, {name: f"path.{name}" for name in members}))
+    for parent, child in zip(path, path[1:]):
+        setattr(modules[parent], child.rsplit(".", 1)[1], modules[child])
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
 
@@ -42,6 +47,8 @@ def test_without_vllm_it_does_nothing(monkeypatch, caplog):
 @pytest.mark.parametrize("version, members, expected", [
     ("0.26.0", ["FLASH_ATTN", "CUSTOM"], logging.WARNING),
     ("0.26.0", ["FLASH_ATTN", "SPARSE_PREFILL", "CUSTOM"], None),
+    ("0.6.3.post1", ["FLASH_ATTN", "XFORMERS"], logging.WARNING),
+    ("0.6.3.post1", ["FLASH_ATTN", "SPARSE_PREFILL"], None),
     ("0.27.0", ["FLASH_ATTN", "CUSTOM"], logging.DEBUG),
 ])
 def test_reports_an_unpatched_vllm_only_where_a_series_exists(monkeypatch, caplog, version, members, expected):
@@ -50,4 +57,4 @@ def test_reports_an_unpatched_vllm_only_where_a_series_exists(monkeypatch, caplo
         vllm_plugin.register()
     assert [r.levelno for r in caplog.records] == ([expected] if expected else [])
     if expected == logging.WARNING:
-        assert "prefill-accel install vllm-0.26.0" in caplog.records[0].getMessage()
+        assert f"prefill-accel install vllm-{version}" in caplog.records[0].getMessage()

@@ -1,11 +1,11 @@
 """vLLM general plugin of prefill-accel (entry point group ``vllm.general_plugins``).
 
-vLLM calls :func:`register` in each of its processes. The SPARSE_PREFILL backend itself is named in
-vLLM's backend registry by the prefill-accel patch series and its code is placed by the overlay, so a
-patched vLLM needs nothing registered at run time; this hook makes a missing patch series visible:
-on an unpatched vLLM of a supported version it says how to patch it instead of letting
-``--attention-backend SPARSE_PREFILL`` fail as an unknown name. Without vLLM, or with another
-version, it does nothing.
+vLLM calls :func:`register` in each of its processes (vLLM 0.26.0 and 0.6.3 alike). The SPARSE_PREFILL
+backend itself is named by the prefill-accel patch series (in V1's backend registry on 0.26.0, in V0's
+selector enum on 0.6.3) and its code is placed by the overlay, so a patched vLLM needs nothing
+registered at run time; this hook makes a missing patch series visible: on an unpatched vLLM of a
+supported version it says how to patch it instead of letting the backend fail as an unknown name.
+Without vLLM, or with another version, it does nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ from __future__ import annotations
 import logging
 
 BACKEND_NAME = "SPARSE_PREFILL"
-SUPPORTED_VLLM_VERSIONS = ("0.26.0",)
+# vLLM version -> (the module holding the enum of backend names, the enum, how the backend is chosen).
+SUPPORTED_VLLM_VERSIONS = {
+    "0.26.0": ("vllm.v1.attention.backends.registry", "AttentionBackendEnum", "--attention-backend SPARSE_PREFILL"),
+    "0.6.3.post1": ("vllm.attention.selector", "_Backend", "VLLM_ATTENTION_BACKEND=SPARSE_PREFILL"),
+}
 
 logger = logging.getLogger(__name__)
 
@@ -21,19 +25,22 @@ logger = logging.getLogger(__name__)
 def register() -> None:
     try:
         import vllm
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum
     except ImportError:
         return
-    if BACKEND_NAME in AttentionBackendEnum.__members__:
-        return
     version = getattr(vllm, "__version__", "unknown")
-    if version in SUPPORTED_VLLM_VERSIONS:
+    if version not in SUPPORTED_VLLM_VERSIONS:
+        logger.debug("prefill-accel has no patch series for vLLM %s; plugin inactive", version)
+        return
+    module_name, enum_name, selection = SUPPORTED_VLLM_VERSIONS[version]
+    try:
+        backends = getattr(__import__(module_name, fromlist=[enum_name]), enum_name)
+    except (ImportError, AttributeError):
+        return
+    if BACKEND_NAME not in backends.__members__:
         logger.warning(
-            "prefill-accel is installed but vLLM %s is not patched, so --attention-backend %s is unavailable; "
+            "prefill-accel is installed but vLLM %s is not patched, so %s is unavailable; "
             "patch this environment with `prefill-accel install vllm-%s`",
             version,
-            BACKEND_NAME,
+            selection,
             version,
         )
-    else:
-        logger.debug("prefill-accel has no patch series for vLLM %s; plugin inactive", version)
