@@ -164,7 +164,10 @@ def test_steps_without_a_long_prefill_and_dense_layers_run_upstreams_forward(ste
     query, key, value, kv_cache, metadata = make_step()
     make_impl(min_len=256).forward(query, key, value, kv_cache, metadata)  # 200 < 256
     make_impl(layer="model.layers.1.self_attn.attn", dense_layers=2).forward(query, key, value, kv_cache, metadata)
-    assert upstream == [1, 1] and step == {"sparse": [], "varlen": [], "kvcache": []}
+    short_tables = make_step()[4]
+    short_tables.block_tables = short_tables.block_tables[:, :2]  # a prefix-cache hit lists only cached blocks
+    make_impl().forward(query, key, value, kv_cache, short_tables)
+    assert upstream == [1, 1, 1] and step == {"sparse": [], "varlen": [], "kvcache": []}
     assert make_impl(layer="model.layers.2.self_attn.attn", dense_layers=2).dense_reason is None
 
 

@@ -9,8 +9,9 @@ table, while the step's other prefills and its decodes go through FlashAttention
 
 Layers the kernel cannot compute stay on FlashAttention for every step: ALiBi, logit soft-capping,
 quantized KV caches, head sizes the kernel lacks, the first ``--sparse-prefill-dense-layers`` layers.
-A step whose prefills carry no block table (no chunked prefill, no prefix caching) is computed by
-FlashAttention too: the kernel reads keys through the block table.
+A step whose prefills' block tables do not reach every key (no chunked prefill: empty tables, or a
+prefix-cache hit listing only the cached blocks) is computed by FlashAttention too: the kernel reads
+keys through the block table.
 """
 
 import re
@@ -98,9 +99,8 @@ class SparsePrefillAttentionImpl(FlashAttentionImpl):
         prefill = attn_metadata.prefill_metadata
         if (self.dense_reason is not None or attn_type != AttentionType.DECODER
                 or prefill is None or kv_cache.numel() == 0
-                or prefill.block_tables is None
-                or prefill.block_tables.numel() == 0
-                or prefill.max_query_len < self.settings.kernel.min_q_len):
+                or prefill.max_query_len < self.settings.kernel.min_q_len
+                or not _block_tables_cover(prefill, kv_cache.shape[2])):
             return super().forward(query, key, value, kv_cache, attn_metadata,
                                    k_scale, v_scale, attn_type)
         runs = prefill_runs(attn_metadata, self.settings, query.device)
@@ -173,6 +173,16 @@ class SparsePrefillAttentionImpl(FlashAttentionImpl):
                 softcap=self.logits_soft_cap,
             ).squeeze(1)
         return output.view(num_tokens, self.num_heads * self.head_size)
+
+
+def _block_tables_cover(prefill: FlashAttentionMetadata,
+                        page_size: int) -> bool:
+    """Whether the prefills' block tables reach every key of their sequences. Without chunked prefill
+    V0 leaves them empty, and a prefix-cache hit lists only the cached blocks: such steps stay on
+    FlashAttention, which reads those keys from the step's own tensors."""
+    tables = prefill.block_tables
+    return (tables is not None and tables.numel() > 0
+            and tables.shape[1] * page_size >= max(prefill.seq_lens))
 
 
 def prefill_runs(attn_metadata: FlashAttentionMetadata,
