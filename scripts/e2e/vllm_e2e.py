@@ -144,7 +144,6 @@ class Server:
     def __init__(self, name: str, side: str, gpus: str, model: Path, port: int, args: list[str]):
         self.name, self.side, self.port, self.model = name, side, port, str(model)
         self.log = LOGS / f"{name}.log"
-        self.args = args
         command = [sys.executable, "-c", "from vllm.entrypoints.cli.main import main; main()", "serve", str(model),
                    "--port", str(port), "--dtype", "bfloat16", "--seed", "0", "--kv-cache-memory-bytes", str(KV_BYTES),
                    "--gpu-memory-utilization", str(GPU_UTIL), "--max-model-len", str(LONG_LEN),
@@ -531,7 +530,6 @@ class serving:
     """``with serving(...) as server``: a started, ready `vllm serve`, stopped on exit."""
 
     def __init__(self, *args):
-        self.args = args
 
     def __enter__(self) -> Server:
         self.server = Server(*self.args)

@@ -2,31 +2,30 @@
 """The ``--sparse-prefill-*`` flags of the SPARSE_PREFILL attention backend: hand-off and startup check.
 
 Placed by the prefill-accel overlay. The flags are ``AttentionConfig.sparse_prefill_*`` fields; this
-module hands them to the runtime (``prefill_accel.flags``: validation with the flag named in every
-error, the kernel's ``SparsePrefillConfig``) and logs the effective values once at startup.
+module hands them to the runtime (``prefill_accel.flags``, shared with the other engines: validation
+with the flag named in every error, the kernel's ``SparsePrefillConfig``) and logs the effective
+values once at startup.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+
+from prefill_accel.flags import (
+    BACKEND_NAME,
+    FIELD_PREFIX,
+    SparsePrefillSettings,
+    changed_flags,
+    flag,
+    settings_from_flags,
+)
 
 from vllm.config.attention import AttentionConfig
 
-if TYPE_CHECKING:
-    from prefill_accel.flags import SparsePrefillSettings
+__all__ = ["BACKEND_NAME", "SPARSE_PREFILL_FIELDS", "check_sparse_prefill_flags", "flag", "sparse_prefill_settings"]
 
-# Validation lives in the runtime package (prefill_accel.flags, shared with the other engines); the
-# backend's name and the flag spelling are needed here even without it, for the startup warnings.
-BACKEND_NAME = "SPARSE_PREFILL"
-FIELD_PREFIX = "sparse_prefill_"
 SPARSE_PREFILL_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionConfig) if f.name.startswith(FIELD_PREFIX))
 """The AttentionConfig fields of the backend; each is also an EngineArgs field and a CLI flag."""
-
-
-def flag(field: str) -> str:
-    """``sparse_prefill_min_len`` or ``min_len`` -> ``--sparse-prefill-min-len``."""
-    return "--" + (FIELD_PREFIX + field.removeprefix(FIELD_PREFIX)).replace("_", "-")
 
 
 def flag_values(attention_config: AttentionConfig) -> dict[str, object]:
@@ -36,13 +35,6 @@ def flag_values(attention_config: AttentionConfig) -> dict[str, object]:
 
 def sparse_prefill_settings(attention_config: AttentionConfig) -> SparsePrefillSettings:
     """Validate the flags and build the settings; every error names the flag to change."""
-    try:
-        from prefill_accel.flags import settings_from_flags
-    except ImportError as error:
-        raise ImportError(
-            f"--attention-backend {BACKEND_NAME} needs the prefill-accel runtime package "
-            "(install it into this environment: pip install prefill-accel)"
-        ) from error
     return settings_from_flags(flag_values(attention_config))
 
 
@@ -56,9 +48,7 @@ def check_sparse_prefill_flags(attention_config: AttentionConfig, logger) -> Spa
     """Startup check: with the SPARSE_PREFILL backend, validate the flags and log the effective values
     once; without it, warn about flags that were changed (they have no effect)."""
     if not uses_sparse_prefill(attention_config):
-        changed = [
-            flag(name) for name in SPARSE_PREFILL_FIELDS if getattr(attention_config, name) != getattr(AttentionConfig, name)
-        ]
+        changed = changed_flags(flag_values(attention_config))
         if changed:
             logger.warning(
                 "%s set but the attention backend is %s; they only apply with --attention-backend %s",
