@@ -58,15 +58,22 @@ def _check_inputs(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out)
         )
 
 
-def _check_lengths(cu_seqlens_q, seqlens_k, page_table, page_size: int, total_q: int) -> None:
-    cu_q = cu_seqlens_q.tolist()
-    if cu_q[0] != 0 or cu_q[-1] != total_q or any(b < a for a, b in zip(cu_q, cu_q[1:])):
-        raise ValueError(f"cu_seqlens_q must rise from 0 to total_q={total_q}, got {cu_q}")
-    pages_needed = -(-int(seqlens_k.max()) // page_size) if seqlens_k.numel() else 0
+def _check_pages(longest: int, page_size: int, page_table: torch.Tensor) -> None:
+    pages_needed = -(-longest // page_size)
     if pages_needed > page_table.shape[1]:
         raise ValueError(
             f"page_table has {page_table.shape[1]} columns but the longest sequence needs {pages_needed} pages"
         )
+
+
+def _host_lengths(cu_seqlens_q, seqlens_k, page_table, page_size: int, total_q: int):
+    """The two length tensors on the host (one read from the device each), checked."""
+    cu_host, k_host = cu_seqlens_q.cpu(), seqlens_k.cpu()
+    cu_q = cu_host.tolist()
+    if cu_q[0] != 0 or cu_q[-1] != total_q or any(b < a for a, b in zip(cu_q, cu_q[1:])):
+        raise ValueError(f"cu_seqlens_q must rise from 0 to total_q={total_q}, got {cu_q}")
+    _check_pages(int(k_host.max()) if k_host.numel() else 0, page_size, page_table)
+    return cu_host, k_host
 
 
 def _unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
@@ -83,10 +90,11 @@ def _unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
 
 
 def _prepare(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out, config):
+    """Check the call; returns host copies of the length tensors, to build the layout from."""
     _check_inputs(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out)
-    _check_lengths(cu_seqlens_q, seqlens_k, page_table, k_cache.shape[1], q.shape[0])
     if not isinstance(config, SparsePrefillConfig):
         raise TypeError(f"config must be a SparsePrefillConfig, got {type(config).__name__}")
+    return _host_lengths(cu_seqlens_q, seqlens_k, page_table, k_cache.shape[1], q.shape[0])
 
 
 def _check_layout(layout: BatchLayout, q, k_cache, page_table, seqlens_k, config: SparsePrefillConfig) -> None:
@@ -102,11 +110,7 @@ def _check_layout(layout: BatchLayout, q, k_cache, page_table, seqlens_k, config
         )
     if layout.qblock_pos.device != q.device:
         raise ValueError(f"layout tensors are on {layout.qblock_pos.device}, q on {q.device}")
-    pages_needed = -(-max(layout.k_lens, default=0) // k_cache.shape[1])
-    if pages_needed > page_table.shape[1]:
-        raise ValueError(
-            f"page_table has {page_table.shape[1]} columns but the longest sequence needs {pages_needed} pages"
-        )
+    _check_pages(max(layout.k_lens, default=0), k_cache.shape[1], page_table)
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
@@ -200,7 +204,7 @@ def sparse_prefill_attention(
     PyTorch reference, with one warning per reason.
     """
     if layout is None:
-        _prepare(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out, config)
+        host_lengths = _prepare(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out, config)
     else:
         _check_inputs(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out)
         _check_layout(layout, q, k_cache, page_table, seqlens_k, config)
@@ -212,7 +216,7 @@ def sparse_prefill_attention(
     from . import triton_kernels
 
     if layout is None:
-        layout = BatchLayout.build(cu_seqlens_q, seqlens_k, config, q.device)
+        layout = BatchLayout.build(*host_lengths, config, q.device)
     recorder = stats.recorder()
     clock = recorder.start(q.device) if recorder is not None else None
     index = None
@@ -246,7 +250,7 @@ def select_blocks(
 
     Shapes as in :func:`sparse_prefill_attention`. Unsupported inputs use the PyTorch reference search.
     """
-    _prepare(q, k_cache, k_cache, page_table, cu_seqlens_q, seqlens_k, None, config)
+    host_lengths = _prepare(q, k_cache, k_cache, page_table, cu_seqlens_q, seqlens_k, None, config)
     scale = _scale(q, softmax_scale)
     reason = _unsupported_reason(q, k_cache)
     if reason is not None:
@@ -254,7 +258,7 @@ def select_blocks(
         return reference.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, config, scale)
     from . import triton_kernels
 
-    layout = BatchLayout.build(cu_seqlens_q, seqlens_k, config, q.device)
+    layout = BatchLayout.build(*host_lengths, config, q.device)
     return triton_kernels.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, layout, config, scale)
 
 
