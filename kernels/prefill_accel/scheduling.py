@@ -5,12 +5,14 @@ adapt their requests to these functions.
 
 * :func:`water_level`: the max-min fair share of a step's prefill budget (tokens or seconds).
 * :func:`attention_pairs` and :class:`StepTimeModel`: the online model of a step's wall time,
-  ``c0 + c1 * tokens + c2 * attention_pairs``, behind ``--max-step-latency-ms``.
+  ``c0 + c1 * tokens + c2 * attention_pairs``, and :class:`PrefillTime`, the step's prefill time
+  under ``--max-step-latency-ms`` spent chunk by chunk.
 * :func:`aged_remaining`: the shortest-remaining-prefill-first key with aging (``--prefill-order srpf``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 # Weight of older steps per new step: ~20 steps of memory, quick enough to follow a prefill
@@ -132,3 +134,73 @@ def aged_remaining(remaining_tokens: int, waited_s: float, aging_s: float) -> fl
     0), so precedence rises linearly with waiting and every request that waited ``aging_s`` sorts
     first."""
     return max(remaining_tokens, 0) * max(1.0 - max(waited_s, 0.0) / aging_s, 0.0)
+
+
+# Consecutive steps whose decodes alone exceed the target before that is reported.
+UNREACHABLE_STEPS = 100
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillTime:
+    """A step's prefill time under a latency target, spent chunk by chunk, each chunk charged its own
+    cost (its tokens and their attention over its own context) by the fitted :class:`StepTimeModel`.
+
+    The engines' step-time budgets build on this: they time steps and feed `model`, call `start`
+    with the step's decodes, and size each prefill chunk with `limit_tokens` and `charge`.
+    """
+
+    def __init__(self, max_step_latency_ms: float | None, token_scale: int, max_model_len: int,
+                 min_prefill_tokens: int) -> None:
+        self.target_s = None if max_step_latency_ms is None else max_step_latency_ms / 1e3
+        self.min_prefill_tokens = min_prefill_tokens
+        self.model = StepTimeModel(token_scale=token_scale, pair_scale=float(token_scale) * max_model_len)
+        self.seconds_left: float | None = None
+        """Prefill time left in this step under the target; None when prefills are not timed."""
+        self._prefill_granted = 0
+        self._steps_over_target = 0
+        self._warned = False
+
+    def start(self, decode_tokens: int, decode_pairs: int) -> None:
+        """A new step carrying these decodes: with a target and a fitted model, prefills get the time
+        the decodes leave within it; without decodes (nobody's latency at stake) they are not timed."""
+        self.seconds_left = None
+        self._prefill_granted = 0
+        if self.target_s is None or not decode_tokens or not self.model.ready:
+            return
+        self.seconds_left = self.target_s - self.model.predict(decode_tokens, decode_pairs)
+        self._steps_over_target = self._steps_over_target + 1 if self.seconds_left <= 0.0 else 0
+        if self._steps_over_target == UNREACHABLE_STEPS and not self._warned:
+            self._warned = True
+            logger.warning(
+                "--max-step-latency-ms %.1f is below the predicted time of the running decodes alone "
+                "(%.1f ms over %d steps); prefills get only %d tokens per request per step. Raise the target.",
+                self.target_s * 1e3, (self.target_s - self.seconds_left) * 1e3, UNREACHABLE_STEPS,
+                self.min_prefill_tokens,
+            )
+
+    def limit_tokens(self, context: int, num_new_tokens: int, seconds: float | None = None,
+                     floor_each: bool = False) -> int:
+        """How much of a prefill chunk of num_new_tokens after `context` computed tokens fits the step's
+        time left (or `seconds`, a share of it).
+
+        Floor: the step's first prefill chunk, or with `floor_each` every prefill chunk (the caller
+        bounds how many there are), gets at least `min_prefill_tokens`, so no prefill starves when
+        the decodes alone use up the target.
+        """
+        if self.seconds_left is None:
+            return num_new_tokens
+        available = self.seconds_left if seconds is None else min(seconds, self.seconds_left)
+        allowed = self.model.max_chunk(available, context)
+        if allowed is None:
+            return num_new_tokens
+        if floor_each or self._prefill_granted == 0:
+            allowed = max(allowed, self.min_prefill_tokens)
+        return min(num_new_tokens, allowed)
+
+    def charge(self, context: int, num_tokens: int) -> None:
+        """Charge a scheduled prefill chunk to the step's time."""
+        if self.seconds_left is None or num_tokens <= 0:
+            return
+        self.seconds_left -= self.model.chunk_seconds(num_tokens, context)
+        self._prefill_granted += num_tokens

@@ -20,15 +20,10 @@ limits) still gets one KV block, and a warning says the target is below what the
 import time
 from typing import Callable, Iterable, List, Optional, Tuple
 
-from prefill_accel.scheduling import StepTimeModel, attention_pairs
+from prefill_accel.scheduling import PrefillTime, attention_pairs
 
-from vllm.logger import init_logger
 from vllm.sequence import SequenceGroup, SequenceStatus
 
-# Consecutive steps whose decodes alone exceed the target before that is reported.
-UNREACHABLE_STEPS = 100
-
-logger = init_logger(__name__)
 
 
 def computed_tokens(seq_group: SequenceGroup) -> int:
@@ -36,7 +31,7 @@ def computed_tokens(seq_group: SequenceGroup) -> int:
     return seq_group.get_seqs()[0].data.get_num_computed_tokens()
 
 
-class StepTimeBudget:
+class StepTimeBudget(PrefillTime):
     """Times steps, fits the model and limits prefill chunks to the target."""
 
     def __init__(self,
@@ -45,19 +40,12 @@ class StepTimeBudget:
                  max_model_len: int,
                  min_prefill_tokens: int,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        self.target_s = (None if max_step_latency_ms is None else
-                         max_step_latency_ms / 1e3)
-        self.min_prefill_tokens = min_prefill_tokens
+        super().__init__(max_step_latency_ms, max_num_batched_tokens,
+                         max_model_len, min_prefill_tokens)
         self.clock = clock
-        self.model = StepTimeModel(
-            token_scale=max_num_batched_tokens,
-            pair_scale=float(max_num_batched_tokens) * max_model_len)
         # (tokens, pairs, start) of the last scheduled step, observed at the next schedule().
         self._last: Optional[Tuple[int, int, float]] = None
-        self._seconds_left: Optional[float] = None
-        self._prefill_granted = 0
-        self._steps_over_target = 0
-        self._warned = False
+        self._step_start = 0.0
 
     def begin_step(self, running: Iterable[SequenceGroup]) -> None:
         """Observe the previous step, then set this step's prefill time: the target minus the
@@ -69,10 +57,6 @@ class StepTimeBudget:
             self.model.observe(tokens, pairs, now - started)
         self._last = None
         self._step_start = now
-        self._seconds_left = None
-        self._prefill_granted = 0
-        if self.target_s is None or not self.model.ready:
-            return
         decode_tokens = decode_pairs = 0
         for seq_group in running:
             if seq_group.is_prefill():
@@ -80,54 +64,20 @@ class StepTimeBudget:
             for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
                 decode_tokens += 1
                 decode_pairs += seq.get_len()
-        if decode_tokens:
-            self._seconds_left = self.target_s - self.model.predict(
-                decode_tokens, decode_pairs)
-            self._warn_if_target_unreachable()
-
-    def _warn_if_target_unreachable(self) -> None:
-        self._steps_over_target = (self._steps_over_target + 1
-                                   if self._seconds_left <= 0.0 else 0)
-        if self._steps_over_target == UNREACHABLE_STEPS and not self._warned:
-            self._warned = True
-            logger.warning(
-                "--max-step-latency-ms %.1f is below the predicted time of "
-                "the running decodes alone (%.1f ms over %d steps); prefills "
-                "get only %d tokens per request per step. Raise the target.",
-                self.target_s * 1e3,
-                (self.target_s - self._seconds_left) * 1e3, UNREACHABLE_STEPS,
-                self.min_prefill_tokens)
-
-    @property
-    def seconds_left(self) -> Optional[float]:
-        """Prefill time left in this step under the target; None when prefills are not timed."""
-        return self._seconds_left
+        self.start(decode_tokens, decode_pairs)
 
     def chunk_seconds(self, seq_group: SequenceGroup, num_tokens: int) -> float:
         return self.model.chunk_seconds(num_tokens, computed_tokens(seq_group))
 
     def limit(self, seq_group: SequenceGroup, num_new_tokens: int,
               seconds: Optional[float], floor_each: bool) -> int:
-        """How much of a prefill chunk fits the step's time left (or `seconds`, a share of it),
-        charged at the group's own context; the step's first chunk (every chunk with
-        `floor_each`) gets at least one block."""
-        if self._seconds_left is None:
-            return num_new_tokens
-        available = (self._seconds_left if seconds is None else
-                     min(seconds, self._seconds_left))
-        allowed = self.model.max_chunk(available, computed_tokens(seq_group))
-        if allowed is None:
-            return num_new_tokens
-        if floor_each or self._prefill_granted == 0:
-            allowed = max(allowed, self.min_prefill_tokens)
-        return min(num_new_tokens, allowed)
+        """The part of a prefill chunk that fits the step's time (PrefillTime.limit_tokens)."""
+        return self.limit_tokens(computed_tokens(seq_group), num_new_tokens,
+                                 seconds, floor_each)
 
     def consume(self, seq_group: SequenceGroup, num_tokens: int) -> None:
         """Charge a scheduled prefill chunk to the step's time."""
-        if self._seconds_left is None or num_tokens <= 0:
-            return
-        self._seconds_left -= self.chunk_seconds(seq_group, num_tokens)
-        self._prefill_granted += num_tokens
+        self.charge(computed_tokens(seq_group), num_tokens)
 
     def end_step(self, scheduled: List[Tuple[SequenceGroup, int]]) -> None:
         """Remember what the step holds ((group, tokens) pairs) to fit its time at the next step."""

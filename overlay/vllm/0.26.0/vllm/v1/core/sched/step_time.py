@@ -44,17 +44,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from prefill_accel.scheduling import StepTimeModel, attention_pairs
+from prefill_accel.scheduling import PrefillTime, attention_pairs
 
-from vllm.logger import init_logger
 from vllm.v1.request import Request
 
 # Scheduled steps waiting for their output; more than the deepest batch queue in use.
 MAX_IN_FLIGHT_STEPS = 8
-# Consecutive steps whose decodes alone exceed the target before that is reported.
-UNREACHABLE_STEPS = 100
-
-logger = init_logger(__name__)
 
 
 def decode_tokens(request: Request, step: int) -> int:
@@ -70,7 +65,7 @@ def decode_tokens(request: Request, step: int) -> int:
     )
 
 
-class StepTimeBudget:
+class StepTimeBudget(PrefillTime):
     """Decode-first prefill budget, optionally capped by a step latency target."""
 
     def __init__(
@@ -81,23 +76,14 @@ class StepTimeBudget:
         min_prefill_tokens: int,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.target_s = None if max_step_latency_ms is None else max_step_latency_ms / 1e3
-        self.min_prefill_tokens = min_prefill_tokens
+        super().__init__(max_step_latency_ms, max_num_scheduled_tokens, max_model_len, min_prefill_tokens)
         self.clock = clock
-        self.model = StepTimeModel(
-            token_scale=max_num_scheduled_tokens,
-            pair_scale=float(max_num_scheduled_tokens) * max_model_len,
-        )
         # (scheduler output, tokens, pairs, schedule() start) of steps awaiting output.
         self._in_flight: deque[tuple[object, int, int, float]] = deque(
             maxlen=MAX_IN_FLIGHT_STEPS
         )
         self._step_start = 0.0
         self._last_output_at = -math.inf
-        self._seconds_left: float | None = None
-        self._prefill_granted = 0
-        self._steps_over_target = 0
-        self._warned = False
 
     def begin_step(self, running: Iterable[Request], token_budget: int, step: int) -> int:
         """Start timing a step; return the tokens its prefills may use.
@@ -107,8 +93,6 @@ class StepTimeBudget:
         through `limit` and `consume`.
         """
         self._step_start = self.clock()
-        self._seconds_left = None
-        self._prefill_granted = 0
         decode_tokens_total = pairs = 0
         for request in running:
             if request.is_prefill_chunk:
@@ -116,58 +100,21 @@ class StepTimeBudget:
             n = decode_tokens(request, step)
             decode_tokens_total += n
             pairs += attention_pairs(request.num_computed_tokens, n)
-        if self.target_s is not None and decode_tokens_total and self.model.ready:
-            self._seconds_left = self.target_s - self.model.predict(decode_tokens_total, pairs)
-            self._warn_if_target_unreachable()
+        self.start(decode_tokens_total, pairs)
         return max(token_budget - decode_tokens_total, 0)
-
-    def _warn_if_target_unreachable(self) -> None:
-        """Say once when the decodes alone keep exceeding the target: prefills then get only the
-        floor per step, which is a misconfiguration rather than a policy."""
-        self._steps_over_target = self._steps_over_target + 1 if self._seconds_left <= 0.0 else 0
-        if self._steps_over_target == UNREACHABLE_STEPS and not self._warned:
-            self._warned = True
-            logger.warning(
-                "--max-step-latency-ms %.1f is below the predicted time of the running decodes alone "
-                "(%.1f ms over %d steps); prefills get only %d tokens per request per step. Raise the target.",
-                self.target_s * 1e3, (self.target_s - self._seconds_left) * 1e3, UNREACHABLE_STEPS,
-                self.min_prefill_tokens,
-            )
-
-    @property
-    def seconds_left(self) -> float | None:
-        """Prefill time left in this step under the target; None when prefills are not timed."""
-        return self._seconds_left
 
     def limit(
         self, request: Request, num_new_tokens: int, seconds: float | None = None, floor_each: bool = False
     ) -> int:
-        """How much of a prefill chunk of num_new_tokens for `request` fits the step's time left
-        (or `seconds`, a share of it), charged at the request's own context.
-
-        Floor: the step's first prefill chunk, or with `floor_each` every prefill chunk (the caller
-        bounds how many there are), gets at least `min_prefill_tokens`, so no prefill starves
-        when the decodes alone use up the target.
-        """
-        if self._seconds_left is None:
-            return num_new_tokens
-        available = self._seconds_left if seconds is None else min(seconds, self._seconds_left)
-        allowed = self.model.max_chunk(available, request.num_computed_tokens)
-        if allowed is None:
-            return num_new_tokens
-        if floor_each or self._prefill_granted == 0:
-            allowed = max(allowed, self.min_prefill_tokens)
-        return min(num_new_tokens, allowed)
+        """The part of a prefill chunk for `request` that fits the step's time (PrefillTime.limit_tokens)."""
+        return self.limit_tokens(request.num_computed_tokens, num_new_tokens, seconds, floor_each)
 
     def chunk_seconds(self, request: Request, num_tokens: int) -> float:
         return self.model.chunk_seconds(num_tokens, request.num_computed_tokens)
 
     def consume(self, request: Request, num_tokens: int) -> None:
         """Charge a scheduled prefill chunk to the step's time (before num_computed_tokens moves)."""
-        if self._seconds_left is None or num_tokens <= 0:
-            return
-        self._seconds_left -= self.chunk_seconds(request, num_tokens)
-        self._prefill_granted += num_tokens
+        self.charge(request.num_computed_tokens, num_tokens)
 
     def end_step(self, scheduler_output: object, requests: dict[str, Request]) -> None:
         """Remember what a scheduled step holds, to fit its wall time when its output comes.
