@@ -530,6 +530,7 @@ class serving:
     """``with serving(...) as server``: a started, ready `vllm serve`, stopped on exit."""
 
     def __init__(self, *args):
+        self.args = args
 
     def __enter__(self) -> Server:
         self.server = Server(*self.args)
