@@ -34,6 +34,25 @@ def test_stats_report_the_searched_density_every_n_calls(monkeypatch, caplog):
     assert density < 0.9
 
 
+def test_stats_lines_pass_a_root_logger_at_warning(monkeypatch):
+    """Inside an engine the root logger has a handler and sits at WARNING: the lines must still come out."""
+    seen = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    root = logging.getLogger()
+    handler = Collect(level=logging.NOTSET)
+    monkeypatch.setattr(root, "handlers", [handler])
+    monkeypatch.setattr(root, "level", logging.WARNING)
+    monkeypatch.setattr(stats.logger, "level", logging.NOTSET)
+    monkeypatch.setenv(stats.ENV, "1")
+    batch = make_batch(q_lens=[130], k_lens=[130], device=DEVICE)
+    sparse_prefill_attention(*batch.args, config=SparsePrefillConfig(block_size=64, min_q_len=0))
+    assert len(seen) == 1 and seen[0].startswith("sparse prefill: 1 calls, 130 query tokens"), seen
+
+
 def test_stats_are_off_by_default_and_reject_bad_values(monkeypatch):
     monkeypatch.delenv(stats.ENV, raising=False)
     assert stats.recorder() is None

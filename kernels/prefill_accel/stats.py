@@ -71,9 +71,11 @@ class StatsRecorder:
     def __init__(self, every: int) -> None:
         self.every = every
         self.totals = SparseCallStats()
-        if not logger.handlers and not logging.getLogger().handlers:
+        # Asking for statistics is asking for these lines: an engine's root logger usually sits at
+        # WARNING, which would drop them, and may have no handler at all.
+        logger.setLevel(logging.INFO)
+        if not logger.hasHandlers():
             logger.addHandler(logging.StreamHandler())
-            logger.setLevel(logging.INFO)
 
     def start(self, device: torch.device) -> _Clock:
         return _Clock(device)
