@@ -2,7 +2,35 @@
 
 import pytest
 
-from prefill_accel.scheduling import StepTimeModel, aged_remaining, attention_pairs, water_level
+from prefill_accel.scheduling import (
+    STARVATION_STEPS,
+    PrefillTime,
+    StepTimeModel,
+    aged_remaining,
+    attention_pairs,
+    water_level,
+)
+
+MAX_MODEL_LEN = 131072
+# A step as measured on the H200 (SmolLM2 under vLLM serve): ~2 ms of fixed cost and decodes, and a
+# prefill chunk that reads its whole context at ~0.16 us per key however few queries it holds.
+C0, C1, C2, C3 = 2e-3, 2e-6, 1e-11, 1.6e-7
+
+
+def step_seconds(decodes: int, chunk: int = 0, context: int = 0) -> float:
+    pairs = decodes * 600 + attention_pairs(context, chunk)
+    return C0 + C1 * (decodes + chunk) + C2 * pairs + (C3 * context if chunk else 0.0)
+
+
+def fitted_budget(target_ms: float) -> PrefillTime:
+    """A step-time budget whose model has seen decode steps and small and large chunks of a long prompt."""
+    budget = PrefillTime(target_ms, token_scale=8192, max_model_len=MAX_MODEL_LEN, min_prefill_tokens=16)
+    for step in range(400):
+        decodes, chunk, context = 1 + step % 5, [0, 96, 0, 300, 0, 8192][step % 6], (512 * step) % 98304
+        keys = context if chunk else 0
+        budget.model.observe(decodes + chunk, decodes * 600 + attention_pairs(context, chunk),
+                             step_seconds(decodes, chunk, context), prefill_keys=keys)  # fmt: skip
+    return budget
 
 
 def test_water_level_shares_tokens_and_seconds_max_min_fairly():
@@ -29,6 +57,37 @@ def test_max_chunk_inverts_the_chunk_cost():
         assert model.chunk_seconds(chunk, context) <= 0.010 < model.chunk_seconds(chunk + 1, context)
     assert model.max_chunk(0.0, 0) == 0
     assert StepTimeModel(1, 1).max_chunk(0.01, 0) is None  # nothing learnt: no bound
+
+
+def test_small_chunks_at_long_context_are_priced_by_the_context_they_read():
+    """The cost of a few queries at a long context is the context read: fitted as such, it does not
+    leak into the fixed cost, so a step of decodes alone is still predicted at its real time."""
+    model = fitted_budget(5.0).model
+    assert model.predict(3, 3 * 600) == pytest.approx(step_seconds(3), rel=0.02)
+    for chunk in (96, 8192):
+        assert model.chunk_seconds(chunk, 90000) == pytest.approx(step_seconds(0, chunk, 90000) - C0, rel=0.02)
+
+
+def test_a_chunk_whose_context_does_not_fit_waits_but_never_starves():
+    budget = fitted_budget(5.0)  # decodes ~2 ms; reading 90K keys alone ~14 ms
+    granted = []
+    for _ in range(STARVATION_STEPS + 1):
+        budget.start(decode_tokens=3, decode_pairs=3 * 600)
+        granted.append(budget.limit_tokens(90000, 4096))
+        budget.charge(90000, granted[-1])
+    assert granted[:STARVATION_STEPS] == [0] * STARVATION_STEPS
+    assert granted[-1] == 4096  # one step in STARVATION_STEPS takes the long prompt's chunk whole
+    budget.start(decode_tokens=3, decode_pairs=3 * 600)
+    assert budget.limit_tokens(90000, 4096) == 0
+    assert 0 < budget.limit_tokens(0, 4096) < 4096  # a fresh chat prompt fits partly, no floor needed
+
+
+def test_prefills_keep_the_floor_when_decodes_alone_exceed_the_target():
+    budget = fitted_budget(1.0)  # below the decodes' own ~2 ms
+    budget.start(decode_tokens=3, decode_pairs=3 * 600)
+    assert budget.limit_tokens(90000, 4096) == 16
+    budget.charge(90000, 16)
+    assert budget.limit_tokens(0, 4096) == 0  # only the step's first chunk has the floor
 
 
 def test_aged_remaining_reaches_zero_at_the_aging_bound():

@@ -5,8 +5,8 @@ adapt their requests to these functions.
 
 * :func:`water_level`: the max-min fair share of a step's prefill budget (tokens or seconds).
 * :func:`attention_pairs` and :class:`StepTimeModel`: the online model of a step's wall time,
-  ``c0 + c1 * tokens + c2 * attention_pairs``, and :class:`PrefillTime`, the step's prefill time
-  under ``--max-step-latency-ms`` spent chunk by chunk.
+  ``c0 + c1 * tokens + c2 * attention_pairs + c3 * prefill_keys``, and :class:`PrefillTime`, the
+  step's prefill time under ``--max-step-latency-ms`` spent chunk by chunk.
 * :func:`aged_remaining`: the shortest-remaining-prefill-first key with aging (``--prefill-order srpf``).
 """
 
@@ -68,59 +68,76 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
 
 
 class StepTimeModel:
-    """Online fit of step seconds = c0 + c1 * tokens + c2 * attention_pairs."""
+    """Online fit of step seconds = c0 + c1 * tokens + c2 * attention_pairs + c3 * prefill_keys.
 
-    def __init__(self, token_scale: float, pair_scale: float) -> None:
-        # Features are scaled to ~[0, 1] so the ridge term means the same for each.
-        self._scales = (1.0, float(token_scale), float(pair_scale))
-        self._xtx = [[0.0] * 3 for _ in range(3)]
-        self._xty = [0.0] * 3
+    ``prefill_keys`` is the context the step's prefill chunks read before their own tokens (each
+    chunk its request's computed tokens): a chunk of a few queries at a long context costs about
+    what reading that context costs, because prefill attention kernels parallelise over query tiles
+    and heads, not over keys (decodes get split-KV kernels, so their keys count as pairs). Without
+    this term, the cost of small chunks late in a long prompt lands in c0 and the model overstates
+    the time of every step, decodes alone included. Fresh prompts read no context, so the term
+    stays apart from the token term and is learnt from continuation chunks only.
+    """
+
+    FEATURES = 4
+
+    def __init__(self, token_scale: float, pair_scale: float, key_scale: float | None = None) -> None:
+        # Features are scaled to ~[0, 1] so the ridge term means the same for each; pair_scale is
+        # token_scale times the longest context, which is also the scale of the keys read.
+        key_scale = pair_scale / token_scale if key_scale is None else key_scale
+        self._scales = (1.0, float(token_scale), float(pair_scale), float(key_scale))
+        self._xtx = [[0.0] * self.FEATURES for _ in range(self.FEATURES)]
+        self._xty = [0.0] * self.FEATURES
         self.num_observations = 0
-        self.coefficients = (0.0, 0.0, 0.0)
+        self.coefficients = (0.0,) * self.FEATURES
 
-    def observe(self, tokens: int, pairs: int, seconds: float) -> None:
-        x = [1.0, tokens / self._scales[1], pairs / self._scales[2]]
-        for i in range(3):
+    def observe(self, tokens: int, pairs: int, seconds: float, prefill_keys: int = 0) -> None:
+        x = [1.0, tokens / self._scales[1], pairs / self._scales[2], prefill_keys / self._scales[3]]
+        for i in range(self.FEATURES):
             self._xty[i] = FORGETTING * self._xty[i] + x[i] * seconds
-            for j in range(3):
+            for j in range(self.FEATURES):
                 self._xtx[i][j] = FORGETTING * self._xtx[i][j] + x[i] * x[j]
         self.num_observations += 1
         self.coefficients = self._fit()
 
-    def _fit(self) -> tuple[float, float, float]:
-        """Least squares with non-negative coefficients (active set over three features)."""
-        active = [0, 1, 2]
+    def _fit(self) -> tuple[float, ...]:
+        """Least squares with non-negative coefficients (active set over the features)."""
+        active = list(range(self.FEATURES))
         while active:
-            ridge = RIDGE * max(self._xtx[i][i] for i in range(3))
+            ridge = RIDGE * max(self._xtx[i][i] for i in range(self.FEATURES))
             sub = [[self._xtx[i][j] + (ridge if i == j else 0.0) for j in active] for i in active]
             solution = _solve(sub, [self._xty[i] for i in active])
             negative = [i for i, v in zip(active, solution) if v < 0.0]
             if not negative:
                 scaled = dict(zip(active, solution))
-                return tuple(scaled.get(i, 0.0) / self._scales[i] for i in range(3))
+                return tuple(scaled.get(i, 0.0) / self._scales[i] for i in range(self.FEATURES))
             active.remove(min(negative, key=lambda i: solution[active.index(i)]))
-        return (0.0, 0.0, 0.0)
+        return (0.0,) * self.FEATURES
 
     @property
     def ready(self) -> bool:
         return self.num_observations >= WARMUP_STEPS
 
-    def predict(self, tokens: float, pairs: float) -> float:
-        c0, c1, c2 = self.coefficients
-        return c0 + c1 * tokens + c2 * pairs
+    def predict(self, tokens: float, pairs: float, prefill_keys: float = 0.0) -> float:
+        c0, c1, c2, c3 = self.coefficients
+        return c0 + c1 * tokens + c2 * pairs + c3 * prefill_keys
 
     def chunk_seconds(self, num_tokens: int, context: int) -> float:
         """Predicted time a prefill chunk of num_tokens after `context` computed tokens adds to a step."""
-        _, c1, c2 = self.coefficients
-        return c1 * num_tokens + c2 * attention_pairs(context, num_tokens)
+        if num_tokens <= 0:
+            return 0.0
+        _, c1, c2, c3 = self.coefficients
+        return c1 * num_tokens + c2 * attention_pairs(context, num_tokens) + c3 * context
 
     def max_chunk(self, seconds: float, context: int) -> int | None:
         """Largest chunk x at `context` computed tokens with chunk_seconds(x, context) <= seconds;
-        None when unbounded (no cost learnt). Solves c2/2 x^2 + (c1 + c2 (context + 1/2)) x <= seconds.
+        None when unbounded (no cost learnt). Solves
+        c2/2 x^2 + (c1 + c2 (context + 1/2)) x + c3 context <= seconds.
         """
+        _, c1, c2, c3 = self.coefficients
+        seconds -= c3 * context
         if seconds <= 0.0:
             return 0
-        _, c1, c2 = self.coefficients
         a, b = c2 / 2.0, c1 + c2 * (context + 0.5)
         if a > 0.0:
             return int((-b + math.sqrt(b * b + 4.0 * a * seconds)) / (2.0 * a))
@@ -138,6 +155,10 @@ def aged_remaining(remaining_tokens: int, waited_s: float, aging_s: float) -> fl
 
 # Consecutive steps whose decodes alone exceed the target before that is reported.
 UNREACHABLE_STEPS = 100
+# Consecutive steps in which every prefill chunk was refused (its context alone costs more than the
+# time the decodes leave) before one step lets prefill chunks through uncapped: at most one step in
+# this many runs over the target, fewer than 1%, and a long prompt still moves while decodes run.
+STARVATION_STEPS = 128
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +169,12 @@ class PrefillTime:
 
     The engines' step-time budgets build on this: they time steps and feed `model`, call `start`
     with the step's decodes, and size each prefill chunk with `limit_tokens` and `charge`.
+
+    A chunk too costly for the time left is cut, down to nothing when even reading its context does
+    not fit: a chunk of a few tokens late in a long prompt costs a whole step of attention for
+    little progress. Two exceptions keep prefills moving. When the decodes alone exceed the target
+    (set too low), prefill chunks still get ``min_prefill_tokens``; and after `STARVATION_STEPS`
+    steps in which prefill chunks were refused outright, one step takes them uncapped.
     """
 
     def __init__(self, max_step_latency_ms: float | None, token_scale: int, max_model_len: int,
@@ -158,14 +185,18 @@ class PrefillTime:
         self.seconds_left: float | None = None
         """Prefill time left in this step under the target; None when prefills are not timed."""
         self._prefill_granted = 0
+        self._refused = False
+        self._starved_steps = 0
         self._steps_over_target = 0
         self._warned = False
 
     def start(self, decode_tokens: int, decode_pairs: int) -> None:
         """A new step carrying these decodes: with a target and a fitted model, prefills get the time
         the decodes leave within it; without decodes (nobody's latency at stake) they are not timed."""
+        self._starved_steps = self._starved_steps + 1 if self._refused and not self._prefill_granted else 0
         self.seconds_left = None
         self._prefill_granted = 0
+        self._refused = False
         if self.target_s is None or not decode_tokens or not self.model.ready:
             return
         self.seconds_left = self.target_s - self.model.predict(decode_tokens, decode_pairs)
@@ -184,18 +215,22 @@ class PrefillTime:
         """How much of a prefill chunk of num_new_tokens after `context` computed tokens fits the step's
         time left (or `seconds`, a share of it).
 
-        Floor: the step's first prefill chunk, or with `floor_each` every prefill chunk (the caller
-        bounds how many there are), gets at least `min_prefill_tokens`, so no prefill starves when
-        the decodes alone use up the target.
+        The exceptions of the class docstring apply to the step's first prefill chunk, or with
+        `floor_each` to every prefill chunk (the caller bounds how many there are).
         """
-        if self.seconds_left is None:
+        if self.seconds_left is None or num_new_tokens <= 0:
             return num_new_tokens
         available = self.seconds_left if seconds is None else min(seconds, self.seconds_left)
         allowed = self.model.max_chunk(available, context)
         if allowed is None:
             return num_new_tokens
         if floor_each or self._prefill_granted == 0:
-            allowed = max(allowed, self.min_prefill_tokens)
+            if self._starved_steps >= STARVATION_STEPS:
+                return num_new_tokens
+            if self.seconds_left <= 0.0:
+                allowed = max(allowed, self.min_prefill_tokens)
+        if allowed == 0:
+            self._refused = True
         return min(num_new_tokens, allowed)
 
     def charge(self, context: int, num_tokens: int) -> None:

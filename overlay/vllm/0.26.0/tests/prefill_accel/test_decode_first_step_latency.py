@@ -29,25 +29,34 @@ def test_decode_is_not_pushed_out_by_a_prefill_ahead_of_it():
 
 
 class FakeGpu:
-    """A clock that a step advances by fixed + per_token * tokens + per_pair * attention pairs seconds."""
+    """A clock that a step advances by fixed + per_token * tokens + per_pair * attention pairs
+    + per_context * the context each prefill chunk reads before its own tokens, in seconds."""
 
-    def __init__(self, fixed_s: float, per_token_s: float, per_pair_s: float = 0.0, scheduler=None) -> None:
+    def __init__(self, fixed_s: float, per_token_s: float, per_pair_s: float = 0.0, per_context_s: float = 0.0,
+                 scheduler=None) -> None:  # fmt: skip
         self.now = 1000.0
         self.fixed_s, self.per_token_s, self.per_pair_s = fixed_s, per_token_s, per_pair_s
+        self.per_context_s = per_context_s
         self.scheduler = scheduler
 
     def __call__(self) -> float:
         return self.now
 
     def run(self, output) -> None:
-        pairs = 0
-        if self.per_pair_s:
-            from prefill_accel.scheduling import attention_pairs
+        from prefill_accel.scheduling import attention_pairs
 
-            for req_id, n in output.num_scheduled_tokens.items():
-                # schedule() has already advanced num_computed_tokens past this step's chunk.
-                pairs += attention_pairs(self.scheduler.requests[req_id].num_computed_tokens - n, n)
-        self.now += self.fixed_s + self.per_token_s * output.total_num_scheduled_tokens + self.per_pair_s * pairs
+        pairs = context = 0
+        for req_id, n in output.num_scheduled_tokens.items():
+            if self.scheduler is None:
+                continue
+            request = self.scheduler.requests[req_id]
+            # schedule() has already advanced num_computed_tokens past this step's chunk.
+            computed = request.num_computed_tokens - n
+            pairs += attention_pairs(computed, n)
+            if computed < request.num_prompt_tokens:
+                context += computed
+        self.now += (self.fixed_s + self.per_token_s * output.total_num_scheduled_tokens
+                     + self.per_pair_s * pairs + self.per_context_s * context)  # fmt: skip
 
 
 def decoding_chats(scheduler, gpu, count: int, max_tokens: int) -> None:
@@ -106,6 +115,34 @@ def test_step_latency_charges_a_short_prompt_its_own_cost_next_to_a_long_prefill
     assert gpu.now - before <= target_ms / 1e3 * 1.05
 
 
+def test_a_chunk_that_cannot_fit_its_context_read_waits_instead_of_crawling():
+    # Reading 1000 tokens of context costs 10 ms here, a whole 10 ms step: late chunks of the
+    # document cannot fit next to the decodes at any size. Cutting them to a few tokens would
+    # overrun the target in every step for little progress; they wait, and one step in
+    # STARVATION_STEPS takes a whole chunk, so the document still finishes.
+    from prefill_accel.scheduling import STARVATION_STEPS
+
+    target_ms = 10.0
+    scheduler = make_scheduler(max_num_batched_tokens=512, max_step_latency_ms=target_ms)
+    gpu = FakeGpu(fixed_s=0.002, per_token_s=10e-6, per_context_s=10e-6, scheduler=scheduler)
+    decoding_chats(scheduler, gpu, 2, max_tokens=900)
+    scheduler.add_request(make_request("doc", 1800, max_tokens=1))
+
+    step_times, doc_chunks = [], []
+    while "doc" in scheduler.requests and len(step_times) < 800:
+        before = gpu.now
+        step = run_step(scheduler, gpu.run)
+        step_times.append(gpu.now - before)
+        doc_chunks.append(step.num_scheduled_tokens.get("doc", 0))
+
+    assert "doc" not in scheduler.requests, "the document never finished"
+    chunks = [c for c in doc_chunks if c]
+    over = [t for t in step_times if t > target_ms / 1e3 * 1.001]
+    assert min(chunks[:-1]) >= 128, chunks  # no crawling in tiny chunks
+    # Over the target: the step that taught the model the context cost, and the starved steps.
+    assert len(over) <= 1 + len(step_times) // STARVATION_STEPS, (len(over), len(step_times))
+
+
 def test_every_partial_prefill_keeps_a_floor_when_decodes_alone_exceed_the_target():
     # A 5 ms target next to decode steps that take 10 ms: no time is left for prefills, yet the
     # running document and a newly arrived chat both advance by one KV block per step.
@@ -143,7 +180,8 @@ def test_step_time_model_fits_fixed_token_and_attention_costs():
         tokens = chunk + decodes
         pairs = attention_pairs(context, chunk) + decodes * 4096
         model.observe(tokens, pairs, c0 + c1 * tokens + c2 * pairs)
-    assert model.coefficients == pytest.approx((c0, c1, c2), rel=1e-3)
+    # No step read a prefix before its chunk here, so the context-read coefficient stays 0.
+    assert model.coefficients == pytest.approx((c0, c1, c2, 0.0), rel=1e-3, abs=1e-15)
 
     # The largest chunk at 64K context that, next to 8 decodes, keeps a step within 50 ms.
     slack = 0.050 - model.predict(8, 8 * 4096)

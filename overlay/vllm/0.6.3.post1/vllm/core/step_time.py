@@ -2,7 +2,8 @@
 
 `--max-step-latency-ms T` sizes the prefill chunks of a step that carries decodes so the
 predicted step time stays within T, with the model and the per-chunk charge of the vLLM 0.26.0
-series: step seconds = c0 + c1 * tokens + c2 * attention pairs, fitted online
+series: step seconds = c0 + c1 * tokens + c2 * attention pairs + c3 * context read by prefill
+chunks, fitted online
 (`prefill_accel.scheduling.StepTimeModel`); the time the decodes leave within T is spent chunk by
 chunk, each chunk charged its own cost at its own request's context, so a chat prompt next to a
 long document costs what a chat prompt costs. Decodes already come first in V0's chunked-prefill
@@ -12,9 +13,11 @@ Timing: the V0 engine runs one step after another while requests run, so a step'
 time from its `schedule()` to the next one. A step is observed only when requests were still
 running at the next `schedule()`, which excludes idle time after the last request finished.
 
-Until the model has seen a few steps, or while no decode runs, prefills are not capped. When the
-decodes alone exceed the target, the step's first prefill chunk (each one with partial-prefill
-limits) still gets one KV block, and a warning says the target is below what the decodes take.
+Until the model has seen a few steps, or while no decode runs, prefills are not capped. A chunk
+whose context read alone does not fit waits; after `STARVATION_STEPS` such steps one step takes it
+whole. When the decodes alone exceed the target, the step's first prefill chunk (each one with
+partial-prefill limits) still gets one KV block, and a warning says the target is below what the
+decodes take (`prefill_accel.scheduling.PrefillTime`).
 """
 
 import time
@@ -43,8 +46,9 @@ class StepTimeBudget(PrefillTime):
         super().__init__(max_step_latency_ms, max_num_batched_tokens,
                          max_model_len, min_prefill_tokens)
         self.clock = clock
-        # (tokens, pairs, start) of the last scheduled step, observed at the next schedule().
-        self._last: Optional[Tuple[int, int, float]] = None
+        # (tokens, pairs, prefill keys, start) of the last scheduled step, observed at the next
+        # schedule().
+        self._last: Optional[Tuple[int, int, int, float]] = None
         self._step_start = 0.0
 
     def begin_step(self, running: Iterable[SequenceGroup]) -> None:
@@ -53,8 +57,8 @@ class StepTimeBudget(PrefillTime):
         now = self.clock()
         running = list(running)
         if self._last is not None and running:
-            tokens, pairs, started = self._last
-            self.model.observe(tokens, pairs, now - started)
+            tokens, pairs, keys, started = self._last
+            self.model.observe(tokens, pairs, now - started, prefill_keys=keys)
         self._last = None
         self._step_start = now
         decode_tokens = decode_pairs = 0
@@ -81,15 +85,16 @@ class StepTimeBudget(PrefillTime):
 
     def end_step(self, scheduled: List[Tuple[SequenceGroup, int]]) -> None:
         """Remember what the step holds ((group, tokens) pairs) to fit its time at the next step."""
-        tokens = pairs = 0
+        tokens = pairs = keys = 0
         for seq_group, num_tokens in scheduled:
             if seq_group.is_prefill():
+                context = computed_tokens(seq_group)
                 tokens += num_tokens
-                pairs += attention_pairs(computed_tokens(seq_group),
-                                         num_tokens)
+                pairs += attention_pairs(context, num_tokens)
+                keys += context
             else:
                 for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
                     tokens += 1
                     pairs += seq.get_len()
         if tokens:
-            self._last = (tokens, pairs, self._step_start)
+            self._last = (tokens, pairs, keys, self._step_start)

@@ -9,11 +9,13 @@ Step latency target (`--max-step-latency-ms`): the scheduler never sees GPU time
 a cost model from the wall time of the steps it schedules and sizes prefill chunks so the
 predicted step time stays within the target. The model of one step is
 
-    t = c0 + c1 * T + c2 * P
+    t = c0 + c1 * T + c2 * P + c3 * K
 
     T  tokens scheduled in the step (prefill and decode): linear layers, sampling
     P  attention pairs: a chunk of q tokens after c computed tokens attends to
        q*c + q*(q+1)/2 keys; a decode (q = 1) reads its c + 1 keys
+    K  context the prefill chunks read before their own tokens, c each: a few queries at a
+       long context cost about that read, since prefill kernels split the work by queries
     c0 fixed cost per step (launches, CPU scheduling, sampling)
 
 The time the decodes leave within the target is spent chunk by chunk, each chunk charged its
@@ -33,10 +35,11 @@ solved with non-negative coefficients. A step's wall time is measured from its s
 earlier than the previous update_from_output(): with a batch queue (async scheduling) a step
 starts running when the one before it finished, not when it was scheduled. Until the model
 has seen a few steps (`WARMUP_STEPS`), or while no decode is running (nobody's inter-token
-latency is at stake), prefills are not capped by the target. When the decodes alone are
-predicted to exceed the target, prefill chunks still get `min_prefill_tokens` (the step's first
-one, or each one when partial-prefill limits bound their number) so prefills cannot starve,
-and a warning says the target is below what the decodes alone take.
+latency is at stake), prefills are not capped by the target. A chunk whose context read alone
+does not fit waits; after `STARVATION_STEPS` such steps one step takes it whole. When the
+decodes alone are predicted to exceed the target, prefill chunks still get `min_prefill_tokens`
+(the step's first one, or each one when partial-prefill limits bound their number) and a warning
+says the target is below what the decodes alone take (`prefill_accel.scheduling.PrefillTime`).
 """
 
 import math
@@ -78,8 +81,8 @@ class StepTimeBudget(PrefillTime):
     ) -> None:
         super().__init__(max_step_latency_ms, max_num_scheduled_tokens, max_model_len, min_prefill_tokens)
         self.clock = clock
-        # (scheduler output, tokens, pairs, schedule() start) of steps awaiting output.
-        self._in_flight: deque[tuple[object, int, int, float]] = deque(
+        # (scheduler output, tokens, pairs, prefill keys, schedule() start) of steps awaiting output.
+        self._in_flight: deque[tuple[object, int, int, int, float]] = deque(
             maxlen=MAX_IN_FLIGHT_STEPS
         )
         self._step_start = 0.0
@@ -121,19 +124,22 @@ class StepTimeBudget(PrefillTime):
 
         Called before the scheduler advances num_computed_tokens for the step.
         """
-        tokens = pairs = 0
+        tokens = pairs = keys = 0
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = requests[req_id]
             tokens += n
-            pairs += attention_pairs(requests[req_id].num_computed_tokens, n)
+            pairs += attention_pairs(request.num_computed_tokens, n)
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                keys += request.num_computed_tokens
         if tokens:
-            self._in_flight.append((scheduler_output, tokens, pairs, self._step_start))
+            self._in_flight.append((scheduler_output, tokens, pairs, keys, self._step_start))
 
     def observe_output(self, scheduler_output: object) -> None:
         """Fit the model with the wall time of the step whose output just arrived."""
         now = self.clock()
-        for i, (output, tokens, pairs, started) in enumerate(self._in_flight):
+        for i, (output, tokens, pairs, keys, started) in enumerate(self._in_flight):
             if output is scheduler_output:
                 del self._in_flight[i]
-                self.model.observe(tokens, pairs, now - max(started, self._last_output_at))
+                self.model.observe(tokens, pairs, now - max(started, self._last_output_at), prefill_keys=keys)
                 break
         self._last_output_at = now
