@@ -27,7 +27,8 @@ if [[ ! -f /tmp/site/.installed ]]; then
   echo "== converting the GGUF models into /tmp/hf"
   mkdir -p /tmp/bundle/gguf-only
   python3 -m pip install -q --no-index --no-deps --target /tmp/bundle/gguf-only /tmp/bundle/wheels/gguf-*.whl
-  PYTHONPATH=/tmp/bundle/gguf-only PREFILL_ACCEL_CACHE=/tmp/bundle/cache python3 scripts/e2e/convert_models.py /tmp/hf
+  # E2E_CONVERT="smollm2" converts only the models a short run needs (default: all of them).
+  PYTHONPATH=/tmp/bundle/gguf-only PREFILL_ACCEL_CACHE=/tmp/bundle/cache python3 scripts/e2e/convert_models.py /tmp/hf ${E2E_CONVERT:-}
   wait $install
   rm -rf /tmp/site-patched && mkdir -p /tmp/site-patched
   cp -a /tmp/site/vllm /tmp/site-patched/vllm
