@@ -40,6 +40,8 @@ class Failure:
 class StubState:
     model: str = "stub-model"
     max_model_len: int | None = 200_000
+    advertise_max_model_len: bool = True
+    """Put max_model_len on the model card (vLLM does); False: refuse long prompts only when they come."""
     chars_per_token: int = 4
     chat_overhead: int = 7
     ttft_base: float = 0.0
@@ -92,7 +94,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.path.rstrip("/") != "/v1/models":
             return self.error(404, f"no route {self.path}", "NotFoundError")
         card = {"id": self.state.model, "object": "model", "owned_by": "stub"}
-        if self.state.max_model_len is not None:
+        if self.state.max_model_len is not None and self.state.advertise_max_model_len:
             card["max_model_len"] = self.state.max_model_len
         self.send_json(200, {"object": "list", "data": [card]})
 
