@@ -257,3 +257,15 @@ def test_bench_corpus_file(tmp_path, capsys):
                      "--no-plots", "--max-tokens", "2") == 0  # fmt: skip
         assert all("lighthouse" in e["prompt"] for e in stub.state.log)
     assert not (tmp_path / "out" / "ttft.png").exists()
+
+
+def test_bench_leaves_room_for_the_output_at_max_model_len(tmp_path, capsys):
+    with StubServer(max_model_len=1024) as stub:
+        code = main(["bench", "--model", MODEL, "--out", str(tmp_path / "out"), "--url", stub.url, "--lengths",
+                     "512,1K", "--repeats", "2", "--max-tokens", "8", "--no-plots"])  # fmt: skip
+        refused = [e for e in stub.state.log if e["outcome"] != "ok"]
+    assert code == 0 and refused == []
+    assert "1024: prompts of 1016 tokens, leaving room for 8 output tokens" in capsys.readouterr().err
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert result["prompt_tokens_target"] == {"512": 512, "1024": 1016}
+    assert all(1000 <= t <= 1016 for t in result["servers"]["accelerated"]["lengths"]["1024"]["prompt_tokens"])

@@ -86,6 +86,8 @@ class Sample:
 class BenchRun:
     config: BenchConfig
     progress: Progress
+    targets: dict[int, int] = field(default_factory=dict)
+    """Prompt tokens aimed at per length (see :func:`prompt_targets`)."""
     samples: list[Sample] = field(default_factory=list)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
@@ -122,12 +124,13 @@ class BenchRun:
         config = self.config
         servers = config.servers()
         for length in config.lengths:
-            units = text.initial_units(length)
+            target = self.targets.get(length, length)
+            units = text.initial_units(target)
             for w in range(config.warmup):
                 for index, (name, server, model) in enumerate(servers):
                     (sample,) = self.wave(name, server, model, text, units, length, -1 - w, bar)
                     if index == 0 and sample.prompt_tokens:
-                        units = text.calibrate(units, length, sample.prompt_tokens)
+                        units = text.calibrate(units, target, sample.prompt_tokens)
             for repeat in range(config.repeats):
                 order = servers if repeat % 2 == 0 else servers[::-1]
                 for name, server, model in order:
@@ -177,6 +180,7 @@ def results(run: BenchRun, text: PromptText, cards: dict[str, dict], started: st
         "tool": f"prefill-accel {__version__} bench",
         "started": started,
         "run_id": run.run_id,
+        "prompt_tokens_target": {str(n): t for n, t in run.targets.items()},
         "config": settings,
         "corpus": {"source": text.source, "cut_in": text.unit_name},
         "servers": servers,
@@ -232,24 +236,41 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def prompt_targets(config: BenchConfig, cards: dict[str, dict], progress: Progress) -> dict[int, int]:
+    """The prompt tokens aimed at per length: the length itself, or, for a length equal to a server's
+    ``max_model_len`` (or within ``max_tokens`` of it), what leaves room for the output. A length over a
+    server's ``max_model_len`` is a usage error."""
+    targets = {n: n for n in config.lengths}
+    for name, server, model in config.servers():
+        limit = cards[name].get("max_model_len")
+        if not limit:
+            continue
+        if limit - config.max_tokens < 16:
+            raise UsageError(f"--max-tokens {config.max_tokens} leaves no room for a prompt within the {name} "
+                             f"server's max_model_len {limit}")  # fmt: skip
+        too_long = [n for n in config.lengths if n > limit]
+        if too_long:
+            raise UsageError(f"the {name} server at {server.url} serves {model!r} with max_model_len {limit}: "
+                             f"no room for {', '.join(map(str, too_long))}-token prompts plus {config.max_tokens} "
+                             f"output tokens; drop them from --lengths or start it with a longer context")  # fmt: skip
+        for n in config.lengths:
+            if n + config.max_tokens > limit and targets[n] > limit - config.max_tokens:
+                targets[n] = limit - config.max_tokens
+                progress.note(f"{n}: prompts of {targets[n]} tokens, leaving room for {config.max_tokens} output "
+                              f"tokens within the {name} server's max_model_len {limit}")  # fmt: skip
+    return targets
+
+
 def bench(config: BenchConfig, progress: Progress) -> dict:
     """Run the benchmark and write ``results.json``, ``results.md`` and the plots into ``config.out``.
     Returns the results; raises ContextTooLong (after writing) when a server refused a length."""
     if config.plots:
         require("matplotlib", "the bench plots (or pass --no-plots)")
-    cards = {}
-    for name, server, model in config.servers():
-        cards[name] = check_model(server, model)
-        limit = cards[name].get("max_model_len")
-        too_long = [n for n in config.lengths if limit and n + config.max_tokens > limit]
-        if too_long:
-            raise UsageError(f"the {name} server at {server.url} serves {model!r} with max_model_len {limit}: "
-                             f"no room for {', '.join(map(str, too_long))}-token prompts plus {config.max_tokens} "
-                             f"output tokens; drop them from --lengths or start it with a longer context")  # fmt: skip
+    cards = {name: check_model(server, model) for name, server, model in config.servers()}
+    run = BenchRun(config, progress, targets=prompt_targets(config, cards, progress))
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with progress.step(f"Loading prompt text for up to {max(config.lengths)} tokens"):
         text = PromptText.load(max(config.lengths), config.corpus, config.tokenizer)
-    run = BenchRun(config, progress)
     per_length = len(cards) * (config.warmup + config.repeats * config.concurrency)
     bar = progress.bar("bench", per_length * len(config.lengths))
     error = None
