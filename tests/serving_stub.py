@@ -157,12 +157,12 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class StubServer:
-    """``with StubServer(ttft_per_token=1e-5) as stub: stub.url``; ``stub.state`` is live."""
+    """``with StubServer(ttft_per_token=1e-5) as stub: stub.url``; ``stub.state`` is live. Port 0 picks a free one."""
 
-    def __init__(self, **settings):
+    def __init__(self, port: int = 0, **settings):
         self.state = StubState(**settings)
         handler = type("BoundHandler", (Handler,), {"state": self.state})
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -177,3 +177,24 @@ class StubServer:
     def __exit__(self, *exc) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Serve the stub on 127.0.0.1 until interrupted (to try the "
+                                     "serving tools without a GPU).")  # fmt: skip
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", default="stub-model")
+    parser.add_argument("--max-model-len", type=int, default=200_000)
+    parser.add_argument("--ttft-base", type=float, default=0.0, help="seconds before the first token")
+    parser.add_argument("--ttft-per-token", type=float, default=0.0, help="more seconds per prompt token")
+    parser.add_argument("--itl", type=float, default=0.0, help="seconds between output tokens")
+    args = parser.parse_args()
+    with StubServer(args.port, model=args.model, max_model_len=args.max_model_len, ttft_base=args.ttft_base,
+                    ttft_per_token=args.ttft_per_token, itl=args.itl) as stub:  # fmt: skip
+        print(f"stub serving {args.model} at {stub.url}", flush=True)
+        try:
+            stub.thread.join()
+        except KeyboardInterrupt:
+            pass

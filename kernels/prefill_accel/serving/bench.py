@@ -18,6 +18,9 @@ from .prompts import PromptText
 from .stats import summarize
 
 DEFAULT_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
+LIMIT_MARGIN = 0.02
+"""Prompts at a server's max_model_len aim this share below the room left by the output: windows of text
+cut to the same size differ by a few tokens once the server tokenizes them."""
 
 
 @dataclass
@@ -237,9 +240,9 @@ def markdown(result: dict) -> str:
 
 
 def prompt_targets(config: BenchConfig, cards: dict[str, dict], progress: Progress) -> dict[int, int]:
-    """The prompt tokens aimed at per length: the length itself, or, for a length equal to a server's
-    ``max_model_len`` (or within ``max_tokens`` of it), what leaves room for the output. A length over a
-    server's ``max_model_len`` is a usage error."""
+    """The prompt tokens aimed at per length: the length itself, or, for a length at (or just under) a
+    server's ``max_model_len``, what leaves room for the output and a margin. A length over a server's
+    ``max_model_len`` is a usage error."""
     targets = {n: n for n in config.lengths}
     for name, server, model in config.servers():
         limit = cards[name].get("max_model_len")
@@ -253,11 +256,13 @@ def prompt_targets(config: BenchConfig, cards: dict[str, dict], progress: Progre
             raise UsageError(f"the {name} server at {server.url} serves {model!r} with max_model_len {limit}: "
                              f"no room for {', '.join(map(str, too_long))}-token prompts plus {config.max_tokens} "
                              f"output tokens; drop them from --lengths or start it with a longer context")  # fmt: skip
+        room = int((limit - config.max_tokens) * (1 - LIMIT_MARGIN))
         for n in config.lengths:
-            if n + config.max_tokens > limit and targets[n] > limit - config.max_tokens:
-                targets[n] = limit - config.max_tokens
+            if targets[n] > room:
+                targets[n] = room
                 progress.note(f"{n}: prompts of {targets[n]} tokens, leaving room for {config.max_tokens} output "
-                              f"tokens within the {name} server's max_model_len {limit}")  # fmt: skip
+                              f"tokens and a {LIMIT_MARGIN:.0%} margin within the {name} server's max_model_len "
+                              f"{limit}")  # fmt: skip
     return targets
 
 
