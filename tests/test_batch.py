@@ -132,7 +132,7 @@ def test_batch_resumes_after_a_kill_without_losing_or_repeating_documents(tmp_pa
         process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         # Kill it while two answers are done and the next ones are being written.
-        while not (len(list(out.glob("*.md"))) >= 2 and list(out.glob(f".*.partial"))):
+        while not (len(list(out.glob("*.md"))) >= 2 and list(out.glob(".*.partial"))):
             assert time.monotonic() < deadline and process.poll() is None
             time.sleep(0.01)
         process.send_signal(signal.SIGKILL)

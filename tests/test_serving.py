@@ -269,3 +269,12 @@ def test_bench_leaves_room_for_the_output_at_max_model_len(tmp_path, capsys):
     result = json.loads((tmp_path / "out" / "results.json").read_text())
     assert result["prompt_tokens_target"] == {"512": 512, "1024": 995}  # (1024 - 8) * 0.98
     assert all(975 <= t <= 1016 for t in result["servers"]["accelerated"]["lengths"]["1024"]["prompt_tokens"])
+
+
+def test_bench_says_when_lengths_cannot_be_calibrated(tmp_path, capsys):
+    with StubServer(honour_usage=False) as stub:
+        assert main(["bench", "--model", MODEL, "--out", str(tmp_path / "out"), "--url", stub.url, "--lengths", "512",
+                     "--repeats", "1", "--no-plots"]) == 0  # fmt: skip
+    assert "sent no usage.prompt_tokens: prompt lengths are first guesses" in capsys.readouterr().err
+    row = json.loads((tmp_path / "out" / "results.json").read_text())["servers"]["accelerated"]["lengths"]["512"]
+    assert row["prompt_tokens"] == [None]

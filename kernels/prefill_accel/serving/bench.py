@@ -93,6 +93,8 @@ class BenchRun:
     """Prompt tokens aimed at per length (see :func:`prompt_targets`)."""
     samples: list[Sample] = field(default_factory=list)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    uncalibrated: bool = False
+    """A warm-up came back without usage, so lengths could not be calibrated (said once)."""
 
     def request(self, name: str, server: Server, model: str, text: PromptText, units: int, length: int,
                 repeat: int, slot: int) -> Sample:  # fmt: skip
@@ -134,6 +136,10 @@ class BenchRun:
                     (sample,) = self.wave(name, server, model, text, units, length, -1 - w, bar)
                     if index == 0 and sample.prompt_tokens:
                         units = text.calibrate(units, target, sample.prompt_tokens)
+                    elif index == 0 and sample.error is None and not self.uncalibrated:
+                        self.uncalibrated = True
+                        self.progress.note(f"the {name} server sent no usage.prompt_tokens: prompt lengths are "
+                                           "first guesses, not calibrated (--tokenizer cuts in the model's tokens)")
             for repeat in range(config.repeats):
                 order = servers if repeat % 2 == 0 else servers[::-1]
                 for name, server, model in order:
