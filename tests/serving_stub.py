@@ -108,7 +108,7 @@ class Handler(BaseHTTPRequestHandler):
         prompt = "".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
         tokens = state.prompt_tokens(self.path, prompt)
         entry = {"path": self.path, "model": body.get("model"), "prompt": prompt, "prompt_tokens": tokens,
-                 "received": received, "max_tokens": body["max_tokens"]}
+                 "received": received, "max_tokens": body["max_tokens"], "authorization": self.headers.get("Authorization")}
         with state.lock:
             state.log.append(entry)
         if body.get("model") != state.model:

@@ -13,7 +13,13 @@ from PIL import Image
 from prefill_accel.cli import main
 from prefill_accel.serving import client
 from prefill_accel.serving.commands import parse_lengths
-from prefill_accel.serving.errors import ContextTooLong, ModelNotServed, ServerUnreachable, TransientServerError
+from prefill_accel.serving.errors import (
+    ContextTooLong,
+    ModelNotServed,
+    ServerUnreachable,
+    TransientServerError,
+    UsageError,
+)
 from prefill_accel.serving.prompts import PromptText
 from prefill_accel.serving.stats import percentile, summarize
 from serving_stub import StubServer, answer
@@ -78,11 +84,14 @@ def test_stream_times_first_text_not_the_role_chunk(api):
     assert done.output_tokens_per_s == pytest.approx(5 / (done.e2e_s - done.ttft_s))
 
 
-def test_stream_without_usage_counts_chunks():
+def test_stream_without_usage_counts_chunks_and_sends_the_key():
     with StubServer(honour_usage=False) as stub:
-        done = client.stream_completion(client.Server(stub.url + "/v1/"), "chat", MODEL, "hello", 4)
+        done = client.stream_completion(client.Server(stub.url + "/v1/", api_key="k1"), "chat", MODEL, "hello", 4)
+        assert stub.state.log[0]["authorization"] == "Bearer k1"
     assert done.prompt_tokens is None and done.completion_tokens is None
     assert done.output_tokens == 4
+    with pytest.raises(UsageError, match="not an http"):
+        client.Server("127.0.0.1:8000")
 
 
 def test_errors_are_classified():

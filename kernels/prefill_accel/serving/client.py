@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 from urllib.parse import urlsplit
 
-from .errors import ContextTooLong, ModelNotServed, ServerError, ServerUnreachable, TransientServerError
+from .errors import ContextTooLong, ModelNotServed, ServerError, ServerUnreachable, TransientServerError, UsageError
 
 APIS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 # Words of the HTTP 400 messages vLLM, SGLang and OpenAI give for a prompt over the context length.
@@ -33,7 +33,7 @@ class Server:
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ServerError(f"server URL {self.url!r} is not an http(s) URL like http://127.0.0.1:8000")
+            raise UsageError(f"server URL {self.url!r} is not an http(s) URL like http://127.0.0.1:8000")
 
     @property
     def base_path(self) -> str:
@@ -51,9 +51,9 @@ class Server:
             headers["Authorization"] = f"Bearer {self.api_key}"
         return headers
 
-    def open(self, method: str, path: str, body: dict | None = None) -> tuple[http.client.HTTPConnection,
-                                                                              http.client.HTTPResponse]:
-        """Send one request; the response's headers are read, its body not. Raises ServerUnreachable."""
+    def open(self, method: str, path: str, body: dict | None = None):
+        """Send one request; returns (connection, response) with the response's headers read, its body not.
+        Raises ServerUnreachable."""
         connection = self.connection()
         try:
             connection.request(method, self.base_path + path, body=None if body is None else json.dumps(body),
