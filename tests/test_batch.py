@@ -151,3 +151,12 @@ def test_batch_resumes_after_a_kill_without_losing_or_repeating_documents(tmp_pa
     assert not list(out.glob(".*.partial"))
     lines = log_lines(out / "batch-log.jsonl")
     assert sorted(line["file"] for line in lines if line["status"] == "ok") == sorted(f"{s}.txt" for s in texts)
+
+
+def test_batch_reports_an_unreadable_document(tmp_path, capsys):
+    documents(tmp_path / "in", 2)
+    (tmp_path / "in" / "broken.txt").symlink_to(tmp_path / "nowhere")
+    with StubServer() as stub:
+        assert batch(tmp_path / "in", tmp_path / "out", stub.url) == 1
+    assert "failed broken.txt: cannot read" in capsys.readouterr().out
+    assert (tmp_path / "out" / "doc0.md").exists() and (tmp_path / "out" / "doc1.md").exists()

@@ -131,33 +131,42 @@ class Batch:
     def process(self, document: Path) -> str:
         """Run one document with retries; log it; return its status."""
         name = document.name
-        text = document.read_text(encoding="utf-8", errors="replace")
-        prompt = self.template.replace("{name}", document.stem).replace("{document}", text)
         start = time.monotonic()
-        record: dict = {"file": name, "output": self.output(document).name, "chars": len(text)}
-        for attempt in range(1, self.config.retries + 2):
+        record: dict = {"file": name, "output": self.output(document).name}
+        try:
+            text = document.read_text(encoding="utf-8", errors="replace")
+        except OSError as error:
+            return self.finish(record, "failed", 0, start, f"cannot read {document}: {error}")
+        record["chars"] = len(text)
+        prompt = self.template.replace("{name}", document.stem).replace("{document}", text)
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 done = self.attempt(document, prompt)
             except TransientServerError as error:
-                if attempt <= self.config.retries:
-                    self.progress.note(f"{name}: {error}; retrying")
-                    self.sleep(self.config.backoff * 2 ** (attempt - 1))
-                    continue
-                status, record["error"] = "failed", str(error)
+                if attempt > self.config.retries:
+                    return self.finish(record, "failed", attempt, start, str(error))
+                self.progress.note(f"{name}: {error}; retrying")
+                self.sleep(self.config.backoff * 2 ** (attempt - 1))
+                continue
             except ServerError as error:
-                status, record["error"] = "failed", str(error)
-            else:
-                status = "ok"
-                record.update(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
-                              ttft_s=round(done.ttft_s, 4), finish_reason=done.finish_reason)  # fmt: skip
-            break
-        record.update(status=status, attempts=attempt, duration_s=round(time.monotonic() - start, 4))
+                return self.finish(record, "failed", attempt, start, str(error))
+            record.update(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
+                          ttft_s=round(done.ttft_s, 4), finish_reason=done.finish_reason)  # fmt: skip
+            return self.finish(record, "ok", attempt, start)
+
+    def finish(self, record: dict, status: str, attempts: int, start: float, error: str | None = None) -> str:
+        """Log one document's outcome, count it in the summary and return its status."""
+        record.update(status=status, attempts=attempts, duration_s=round(time.monotonic() - start, 4))
+        if error is not None:
+            record["error"] = error
         self.log(record)
         with self.lock:
             if status == "ok":
-                self.summary.written.append(name)
+                self.summary.written.append(record["file"])
             else:
-                self.summary.failed[name] = record["error"]
+                self.summary.failed[record["file"]] = error
         return status
 
     def run(self) -> BatchSummary:
