@@ -10,16 +10,17 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .serving.commands import SERVING_COMMANDS
 from .tooling.commands import TOOLING_COMMANDS, Command
 from .tooling.errors import ToolingError
 
-COMMAND_TABLES: tuple[dict[str, Command], ...] = (TOOLING_COMMANDS,)
+COMMAND_TABLES: tuple[dict[str, Command], ...] = (TOOLING_COMMANDS, SERVING_COMMANDS)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="prefill-accel",
-        description="Block-sparse prefill attention for vLLM and SGLang: patch-series tooling and tools.",
+        description="Block-sparse prefill attention for vLLM and SGLang: patch-series tooling and serving tools.",
         epilog="Exit codes: 0 ok, 1 operation failed, 2 usage error, 3 patch does not apply, "
                "4 already applied, 5 overlay conflict, 6 checksum mismatch, 7 rebase conflict.",
     )

@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "kernels"))
 
 from prefill_accel.accuracy.needle import build_prompts, parse_answer  # noqa: E402
+from prefill_accel.serving.stats import percentile  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402  (imported here: a lazy import from two threads races)
 
 SITE = os.environ.get("E2E_SITE", "/tmp/site")
@@ -243,16 +244,6 @@ def chat_prompt(tokenizer, corpus: Corpus, rng: random.Random, length: int, inde
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def compare_tokens(upstream: dict, patched: dict) -> list[dict]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -11,36 +9,29 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..config import SparsePrefillConfig
+from ..corpus import stdlib_sources
 from .attention import AttentionRun, use
 from .metrics import kl_divergence
 from .models import load_model, sparse_layer_ids
 from .needle import build_prompts, parse_answer
-
-STDLIB_TEXT_MODULES = (
-    "argparse", "dataclasses", "functools", "inspect", "json.decoder", "logging", "pathlib", "subprocess",
-    "threading", "typing", "unittest.case", "email.message", "http.client", "collections", "shutil", "tarfile",
-    "zipfile", "asyncio.base_events", "concurrent.futures._base", "configparser", "difflib", "pydoc",
-)  # fmt: skip
-"""Source files whose text (prose docstrings and code) is the default natural prompt: offline and fixed
-for a given Python version."""
 
 LOGIT_CHUNK_ROWS = 1024
 """Prompt positions whose full-vocabulary logits exist at once when computing KL."""
 
 
 def natural_text_ids(tokenizer, length: int, text: str | None = None) -> list[int]:
-    """``length`` token ids of ``text`` (default: the sources of :data:`STDLIB_TEXT_MODULES`)."""
+    """``length`` token ids of ``text`` (default: the standard library sources of
+    :func:`prefill_accel.corpus.stdlib_sources`, its fixed module list first)."""
     parts = [text] if text is not None else []
-    ids: list[int] = []
-    modules = iter(STDLIB_TEXT_MODULES)
+    sources = stdlib_sources()
     while True:
         ids = tokenizer("\n\n".join(parts)).input_ids
         if len(ids) >= length:
             return ids[:length]
-        name = next(modules, None)
-        if name is None:
+        source = next(sources, None)
+        if source is None:
             raise ValueError(f"the prompt text has only {len(ids)} tokens, fewer than the requested {length}")
-        parts.append(inspect.getsource(importlib.import_module(name)))
+        parts.append(source)
 
 
 @dataclass

@@ -20,7 +20,7 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
-def _progress(args) -> Progress:
+def progress_of(args) -> Progress:
     return Progress(quiet=getattr(args, "quiet", False))
 
 
@@ -64,7 +64,7 @@ def _run_fetch(args) -> int:
 
     targets = Targets.load()
     target = targets.resolve(args.target)
-    fetch(target, args.dir, targets.root, _progress(args))
+    fetch(target, args.dir, targets.root, progress_of(args))
     print(f"{target.name}: upstream tree at {target.git_tag} in {args.dir}")
     return 0
 
@@ -82,7 +82,7 @@ def _run_apply(args) -> int:
 
     targets = Targets.load()
     target = targets.resolve(args.target)
-    result = apply(target, args.tree, targets.root, _progress(args), with_overlay=not args.no_overlay)
+    result = apply(target, args.tree, targets.root, progress_of(args), with_overlay=not args.no_overlay)
     print(f"{target.name}: applied {len(result.patches)} patch(es) and {len(result.overlay)} overlay "
           f"file(s) to {result.layout.root} ({result.layout.kind}), series hash {result.series_hash}")
     return 0
@@ -99,7 +99,7 @@ def _run_install(args) -> int:
 
     targets = Targets.load()
     target = targets.resolve(args.target)
-    result = install(target, targets.root, args.python, _progress(args), runtime=not args.no_runtime)
+    result = install(target, targets.root, args.python, progress_of(args), runtime=not args.no_runtime)
     print(f"{target.name}: patched {result.layout.root} (series hash {result.series_hash}); "
           f"changed modules: {', '.join(patched_modules(result)) or 'none'}")
     return 0
@@ -118,7 +118,7 @@ def _run_build(args) -> int:
 
     targets = Targets.load()
     target = targets.resolve(args.target)
-    progress = _progress(args)
+    progress = progress_of(args)
     if args.venv is None and envbuild.docker_available():
         image = envbuild.build_image(target, targets.root, progress)
         print(f"Built image {image} (series hash {envbuild.series_hash(target, targets.root)}).\nRun it:\n  "
@@ -152,7 +152,7 @@ def _run_verify(args) -> int:
 
     targets = Targets.load()
     target = targets.resolve(args.target)
-    report = verify(target, targets.root, args.python, args.work, args.tests, _progress(args))
+    report = verify(target, targets.root, args.python, args.work, args.tests, progress_of(args))
     print(report.render())
     return 0 if report.ok else 1
 
@@ -170,7 +170,7 @@ def _run_edit(args) -> int:
     targets = Targets.load()
     target = targets.resolve(args.target)
     tree = args.dir or default_work_tree(target, targets.root)
-    edit(target, tree, targets.root, _progress(args))
+    edit(target, tree, targets.root, progress_of(args))
     print(f"{tree}: {target.git_tag} plus the {target.name} series as commits.\n"
           f"Edit with git (one commit per patch; amend, rebase -i, add commits), then:\n"
           f"  prefill-accel export {target.name}" + (f" --tree {tree}" if args.dir else ""))
@@ -188,7 +188,7 @@ def _run_export(args) -> int:
     targets = Targets.load()
     target = targets.resolve(args.target)
     names = export(target, args.tree or default_work_tree(target, targets.root), targets.root,
-                   progress=_progress(args))
+                   progress=progress_of(args))
     print(f"{target.patch_dir(targets.root)}: {len(names)} patch(es)\n" + "".join(f"  {n}\n" for n in names), end="")
     return 0
 
@@ -212,10 +212,10 @@ def _run_rebase(args) -> int:
     targets = Targets.load()
     work = args.work or default_work_tree(args.engine, args.to_version, targets.root)
     if args.cont:
-        target = continue_rebase(targets, work, _progress(args))
+        target = continue_rebase(targets, work, progress_of(args))
     else:
         target = rebase(targets, args.engine, args.from_version, args.to_version, work, args.upstream,
-                        _progress(args))
+                        progress_of(args))
     print(f"{target.name}: series rebased; review with `git diff -- patches overlay`")
     return 0
 

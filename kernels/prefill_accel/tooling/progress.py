@@ -1,9 +1,10 @@
-"""Progress display for long steps: one line per step on stderr, with its duration."""
+"""Progress display on stderr: one line per long step with its duration, and progress bars for counted work."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 
 
@@ -37,3 +38,42 @@ class Progress:
                 state["next"] = done / total + 0.1
 
         return update
+
+    def bar(self, label: str, total: int) -> "Bar":
+        """A progress bar over ``total`` items."""
+        return Bar(self, label, total)
+
+
+class Bar:
+    """``label [#####.....] done/total status``: redrawn in place on a terminal, else a line every 10 %.
+    Thread-safe: workers call ``advance`` as their items finish."""
+
+    WIDTH = 30
+
+    def __init__(self, progress: Progress, label: str, total: int):
+        self.progress = progress
+        self.label = label
+        self.total = total
+        self.done = 0
+        self.start = time.monotonic()
+        self.next_line = 0.0
+        self.lock = threading.Lock()
+        self.live = not progress.quiet and progress.stream.isatty()
+
+    def render(self, status: str = "") -> str:
+        filled = self.WIDTH * self.done // self.total if self.total else self.WIDTH
+        line = (f"{self.label} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {self.done}/{self.total} "
+                f"{time.monotonic() - self.start:.0f} s")  # fmt: skip
+        return f"{line} {status}".rstrip()
+
+    def advance(self, count: int = 1, status: str = "") -> None:
+        if self.progress.quiet:
+            return
+        with self.lock:
+            self.done += count
+            if self.live:
+                end = "\n" if self.done >= self.total else ""
+                print("\r" + self.render(status), end=end, file=self.progress.stream, flush=True)
+            elif self.done >= self.total or self.done / max(self.total, 1) >= self.next_line:
+                self.progress.note(self.render(status))
+                self.next_line = self.done / max(self.total, 1) + 0.1
