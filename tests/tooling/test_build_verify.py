@@ -113,7 +113,7 @@ def test_verify_sglang_says_why_no_upstream_tests_ran_and_runs_ours(targets):
     """The SGLang wheel carries no scheduler tests and SGLang publishes no sdist: 0/0, with the reason.
 
     Ours run in the target's cached test environment (built on first use, ~2 minutes): the series
-    banner (4), the sparse_prefill backend against SGLang's pools and dense backend (11), and the
+    banner (4), the sparse_prefill backend against SGLang's pools, dense backend and registry (12), and the
     scheduler policies on real ServerArgs, Req, SchedulePolicy, PrefillAdder and Scheduler code (15).
     """
     report = verify(targets.resolve("sglang-0.5.16"), ROOT, progress=QUIET)
@@ -121,7 +121,7 @@ def test_verify_sglang_says_why_no_upstream_tests_ran_and_runs_ours(targets):
     assert report.ok, rendered
     assert "envs/sglang-0.5.16" in report.python, rendered
     assert "upstream tests, unpatched: 0 passed, 0 failed, 0 skipped (none run: SGLang publishes no sdist" in rendered
-    assert report.ours.count(PASSED) == 30 and report.ours.count(SKIPPED) == 0, rendered
+    assert report.ours.count(PASSED) == 31 and report.ours.count(SKIPPED) == 0, rendered
 
 
 def test_offline_hf_home_is_a_hub_cache_of_the_named_configs(tmp_path):

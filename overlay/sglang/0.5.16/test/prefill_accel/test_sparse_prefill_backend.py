@@ -204,3 +204,19 @@ def test_a_quantized_or_hybrid_pool_keeps_every_batch_dense():
     backend = SparsePrefillAttnBackend(dense=None, settings=settings(), req_to_token_pool=None,
                                        token_to_kv_pool=pool, page_size=1)
     assert "HybridPool" in backend.pool_reason
+
+
+def test_the_registry_wraps_the_decode_backend():
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import ServerArgs
+
+    engine = Engine(1)
+    args = ServerArgs(model_path="dummy", prefill_attention_backend="sparse_prefill",
+                      attention_backend="torch_native", sparse_prefill_min_len=4096)
+    runner = SimpleNamespace(server_args=args, device="cpu", req_to_token_pool=engine.req_pool,
+                             token_to_kv_pool=engine.kv_pool, page_size=1)
+    backend = ATTENTION_BACKENDS["sparse_prefill"](runner)
+    assert type(backend.dense) is TorchNativeAttnBackend and backend.settings.kernel.min_q_len == 4096
+    args.attention_backend = None
+    with pytest.raises(ValueError, match="set --attention-backend or --decode-attention-backend"):
+        ATTENTION_BACKENDS["sparse_prefill"](runner)
