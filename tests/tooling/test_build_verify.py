@@ -4,6 +4,7 @@ The venv build installs the real vLLM 0.6.3.post1 wheel (~190 MB, cached) with i
 dependencies; verify then runs upstream's ~940 scheduler/block tests twice. Together ~4 minutes.
 verify vllm-0.26.0 builds its cached test environment on first use (~80 s: torch 2.13 CPU, the
 ~290 MB wheel, the pinned requirements) and runs upstream's 288 v1 core tests twice (~40 s each).
+SGLang 0.5.16 is built as a venv once and verified in its cached test environment (~2 minutes each).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 from prefill_accel.tooling.errors import UsageError
 from prefill_accel.tooling.targets import target_from_toml
-from prefill_accel.tooling.verify import FAILED, OFFLINE_REVISION, PASSED, offline_hf_home, verify
+from prefill_accel.tooling.verify import FAILED, OFFLINE_REVISION, PASSED, SKIPPED, offline_hf_home, verify
 
 from .conftest import QUIET, ROOT, VENV_TARGET, fetched
 
@@ -43,6 +44,29 @@ def test_built_venv_imports_the_patched_engine_and_logs_the_series(built_venv, t
     assert "prefill-accel 0.1.0 patch series" in proc.stdout
     series = (targets.resolve(VENV_TARGET).patch_dir(ROOT) / "series").read_text().split()
     assert f"({VENV_TARGET}, {len(series)} patch(es))" in proc.stdout
+
+
+def test_built_sglang_venv_imports_the_patched_modules(tmp_path, targets):
+    """build.sh --venv for SGLang 0.5.16 (~2 minutes, ~6 GB: a CUDA build of torch, see its requirements
+    file): the installed engine carries the series, its patched modules import, and the prefill backend
+    is registered."""
+    venv = tmp_path / "sglang-venv"
+    env = dict(os.environ, PREFILL_ACCEL_TOOL_PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "build.sh"), "sglang-0.5.16", "--venv", str(venv)],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    code = ("import sglang.srt.entrypoints.engine, sglang.srt.managers.scheduler as s, "
+            "sglang.srt.layers.attention.sparse_prefill_backend; "
+            "from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS; "
+            "from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES; "
+            "from sglang.prefill_accel_series import series_banner; "
+            "assert 'sparse_prefill' in ATTENTION_BACKENDS and 'sparse_prefill' in ATTENTION_BACKEND_CHOICES; "
+            "assert s.PrefillStreak.__module__ == 'sglang.srt.managers.decode_protection'; print(series_banner())")
+    proc = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    series = (targets.resolve("sglang-0.5.16").patch_dir(ROOT) / "series").read_text().split()
+    assert f"(sglang-0.5.16, {len(series)} patch(es))" in proc.stdout
 
 
 def test_upstream_scheduler_tests_pass_against_the_installed_patched_engine(built_venv, targets, tmp_path):
@@ -88,13 +112,16 @@ def test_verify_vllm_0_26_runs_upstream_core_tests_against_the_wheel_unpatched_a
 def test_verify_sglang_says_why_no_upstream_tests_ran_and_runs_ours(targets):
     """The SGLang wheel carries no scheduler tests and SGLang publishes no sdist: 0/0, with the reason.
 
-    The engine-import test of ours reports itself skipped here, naming the missing dependency.
+    Ours run in the target's cached test environment (built on first use, ~2 minutes): the series
+    banner (4), the sparse_prefill backend against SGLang's pools, dense backend and registry (12), and the
+    scheduler policies on real ServerArgs, Req, SchedulePolicy, PrefillAdder and Scheduler code (15).
     """
     report = verify(targets.resolve("sglang-0.5.16"), ROOT, progress=QUIET)
     rendered = report.render()
     assert report.ok, rendered
+    assert "envs/sglang-0.5.16" in report.python, rendered
     assert "upstream tests, unpatched: 0 passed, 0 failed, 0 skipped (none run: SGLang publishes no sdist" in rendered
-    assert report.ours.count(PASSED) == 3, rendered
+    assert report.ours.count(PASSED) == 31 and report.ours.count(SKIPPED) == 0, rendered
 
 
 def test_offline_hf_home_is_a_hub_cache_of_the_named_configs(tmp_path):

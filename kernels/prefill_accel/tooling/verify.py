@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import xml.etree.ElementTree as ElementTree
 import zipfile
@@ -140,7 +139,7 @@ def verify(target: Target, root: Path, python: str | None = None, work: Path | N
     progress = progress or Progress()
     upstream_tests = list(tests if tests is not None else target.cpu_tests)
     if python is None:
-        python = str(envbuild.cached_test_env(target, root, progress)) if target.cpu_tests else sys.executable
+        python = str(envbuild.cached_test_env(target, root, progress))
     with tempfile.TemporaryDirectory(prefix="prefill-accel-verify-") as tmp:
         work = Path(work or tmp).resolve()
         unpatched, patched = work / "unpatched", work / "patched"

@@ -1,0 +1,228 @@
+"""Prefill attention backend ``sparse_prefill`` for SGLang: long extends block-sparse, the rest dense.
+
+Placed by the prefill-accel overlay; selected with ``--prefill-attention-backend sparse_prefill`` and
+tuned with the ``--sparse-prefill-*`` flags (``sglang/srt/sparse_prefill.py``). It wraps the dense
+backend the server uses for decode (``--decode-attention-backend``, else ``--attention-backend``):
+that backend keeps its metadata for every batch and computes everything except one case. In an
+extend batch (a fresh prefill, a chunk of a chunked prefill, a radix-cache hit) where some request
+has at least ``--sparse-prefill-min-len`` new tokens, a layer the kernel can compute writes this
+batch's keys and values to the KV pool and runs ``prefill_accel.sparse_prefill_attention`` over the
+whole batch, reading every key through ``req_to_token``; the kernel computes the batch's shorter
+requests dense itself.
+
+The translation, once per batch on the host lengths: SGLang's KV buffer of one layer,
+``(num_slots, kv_heads, head_dim)``, is the kernel's paged cache viewed as
+``(num_slots / page_size, page_size, kv_heads, head_dim)``; a request's page ``j`` is the slot of its
+token ``j * page_size`` divided by the page size (slots of one page are consecutive); the key
+length is prefix + extend, the query offsets come from the extend lengths.
+
+Layers that stay dense for every batch: the first ``--sparse-prefill-dense-layers``, sliding-window
+and chunked-local (iRoPE) layers, logit soft-capping, cross and encoder-only attention, head sizes the
+kernel lacks, differing K and V head sizes. Batches that stay dense: decodes, target verification,
+batches padded beyond their tokens, calls with extra arguments (attention sinks and the like), and
+every batch when the KV pool is not the plain token pool (quantized, HND or hybrid layouts).
+"""
+
+import logging
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+from prefill_accel import sparse_prefill_attention
+from prefill_accel.api import SUPPORTED_HEAD_DIMS
+from prefill_accel.flags import SparsePrefillSettings, flag
+from prefill_accel.layout import BatchLayout
+
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.sparse_prefill import BACKEND, settings_from_server_args
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SparseBatch:
+    """An extend batch in the kernel's terms, built once per batch and shared by every layer."""
+
+    page_table: torch.Tensor
+    """(batch, max_pages) int32: the pages of each request in order."""
+    cu_seqlens_q: torch.Tensor
+    """(batch + 1,) int32: query offsets of the requests in the batch's rows."""
+    seqlens_k: torch.Tensor
+    """(batch,) int32: prefix + extend length of each request."""
+    layout: BatchLayout
+    total_q: int
+
+
+def sparse_batch(
+    forward_batch: ForwardBatch,
+    req_to_token: torch.Tensor,
+    page_size: int,
+    settings: SparsePrefillSettings,
+) -> Optional[SparseBatch]:
+    """The kernel's arguments for an extend batch, or None when no request reaches the minimum length.
+
+    Reads only host lengths (``extend_seq_lens_cpu``, ``seq_lens_cpu``); the page table is gathered
+    on the device from ``req_to_token`` rows of the batch's requests.
+    """
+    extend_lens = forward_batch.extend_seq_lens_cpu
+    if extend_lens is None or forward_batch.seq_lens_cpu is None:
+        return None
+    if max(extend_lens, default=0) < settings.kernel.min_q_len:
+        return None
+    device = forward_batch.req_pool_indices.device
+    seq_lens_cpu = forward_batch.seq_lens_cpu.to(torch.int32)
+    cu_seqlens_q_cpu = torch.zeros(len(extend_lens) + 1, dtype=torch.int32)
+    cu_seqlens_q_cpu[1:] = torch.cumsum(torch.tensor(extend_lens, dtype=torch.int32), 0)
+    max_pages = -(-int(seq_lens_cpu.max()) // page_size)
+    first_slots = req_to_token[forward_batch.req_pool_indices, : max_pages * page_size : page_size]
+    return SparseBatch(
+        page_table=(first_slots // page_size).to(torch.int32),
+        cu_seqlens_q=cu_seqlens_q_cpu.to(device),
+        seqlens_k=seq_lens_cpu.to(device),
+        layout=BatchLayout.build(cu_seqlens_q_cpu, seq_lens_cpu, settings.kernel, device),
+        total_q=int(cu_seqlens_q_cpu[-1]),
+    )
+
+
+def paged_view(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
+    """A layer's ``(num_slots, kv_heads, head_dim)`` KV buffer as ``(num_pages, page_size, kv_heads,
+    head_dim)``; slots past the last whole page are never allocated to a request."""
+    whole = buffer.shape[0] - buffer.shape[0] % page_size
+    return buffer[:whole].view(-1, page_size, *buffer.shape[1:])
+
+
+class SparsePrefillAttnBackend(AttentionBackend):
+    """The dense backend's attention, with long extend batches on the block-sparse kernel."""
+
+    def __init__(self, dense: AttentionBackend, settings: SparsePrefillSettings, req_to_token_pool,
+                 token_to_kv_pool, page_size: int):
+        super().__init__()
+        self.dense = dense
+        self.settings = settings
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool = token_to_kv_pool
+        self.page_size = page_size
+        self.needs_cpu_seq_lens = True  # the batch translation reads seq_lens_cpu
+        self.pool_reason = self._pool_reason(token_to_kv_pool)
+        if self.pool_reason is not None:
+            logger.warning("%s: every batch stays on the dense backend: %s", BACKEND, self.pool_reason)
+        self._layer_reasons: Dict[int, Optional[str]] = {}
+        self._batch: Optional[SparseBatch] = None
+
+    def __getattr__(self, name):
+        # Model code and SGLang's runners read backend-specific attributes (forward_metadata, ...)
+        # of the backend they configured: they are the dense backend's.
+        if name == "dense":
+            raise AttributeError(name)
+        return getattr(self.dense, name)
+
+    @staticmethod
+    def _pool_reason(pool) -> Optional[str]:
+        """Why the KV pool cannot be read as pages, or None."""
+        if type(pool) is not MHATokenToKVPool:
+            return f"KV pool {type(pool).__name__} (the kernel reads the plain MHATokenToKVPool)"
+        if pool.use_hnd:
+            return "HND KV layout (the kernel reads token-major pages)"
+        if pool.is_quantized_kv_cache or pool.store_dtype != pool.dtype:
+            return f"quantized KV cache ({pool.dtype} stored as {pool.store_dtype})"
+        return None
+
+    def layer_dense_reason(self, layer) -> Optional[str]:
+        """Why every batch of this layer stays dense, or None; logged once per layer."""
+        if layer.layer_id not in self._layer_reasons:
+            reason = self._layer_reason(layer)
+            self._layer_reasons[layer.layer_id] = reason
+            if reason is not None:
+                logger.debug("%s: layer %d stays dense: %s", BACKEND, layer.layer_id, reason)
+        return self._layer_reasons[layer.layer_id]
+
+    def _layer_reason(self, layer) -> Optional[str]:
+        dense_layers = self.settings.dense_layers
+        if layer.layer_id < dense_layers:
+            return f"layer {layer.layer_id} < {flag('dense_layers')}={dense_layers}"
+        if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+            return f"sliding window of {layer.sliding_window_size}"
+        if layer.use_irope:
+            return "chunked local attention (iRoPE)"
+        if layer.logit_cap:
+            return "logit soft-capping"
+        if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
+            return "not causal self-attention"
+        if layer.qk_head_dim != layer.v_head_dim:
+            return f"K head size {layer.qk_head_dim} != V head size {layer.v_head_dim}"
+        if layer.qk_head_dim not in SUPPORTED_HEAD_DIMS:
+            return f"head size {layer.qk_head_dim} (the kernel has {SUPPORTED_HEAD_DIMS})"
+        return None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch):
+        self.dense.init_forward_metadata(forward_batch)
+        self._batch = None
+        if self.pool_reason is None and forward_batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+            self._batch = sparse_batch(
+                forward_batch, self.req_to_token_pool.req_to_token, self.page_size, self.settings
+            )
+
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
+        # Graph-captured batches stay dense: the kernel's grid depends on the batch's lengths.
+        self._batch = None
+        self.dense.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
+        self.dense.init_forward_metadata_in_graph(forward_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return self.dense.get_cuda_graph_seq_len_fill_value()
+
+    def forward_decode(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True, **kwargs):
+        return self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True, **kwargs):
+        batch = self._batch
+        if (batch is None or kwargs or self.layer_dense_reason(layer) is not None
+                or q.shape[0] != batch.total_q):
+            return self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, forward_batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale
+            )
+        query = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        output = torch.empty_like(query)
+        sparse_prefill_attention(
+            query,
+            paged_view(self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.page_size),
+            paged_view(self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.page_size),
+            batch.page_table,
+            batch.cu_seqlens_q,
+            batch.seqlens_k,
+            config=self.settings.kernel,
+            softmax_scale=layer.scaling,
+            out=output,
+            layout=batch.layout,
+        )
+        return output.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+
+def create_sparse_prefill_backend(runner) -> SparsePrefillAttnBackend:
+    """The backend for a model runner: its dense backend is the one the server decodes with."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    _, dense_name = runner.server_args.get_attention_backends()
+    if dense_name is None or dense_name == BACKEND or dense_name not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"--prefill-attention-backend {BACKEND} hands short extends and decodes to the decode "
+            f"backend, which is {dense_name!r}: set --attention-backend or --decode-attention-backend "
+            "to a dense backend (e.g. fa3, flashinfer, triton)"
+        )
+    return SparsePrefillAttnBackend(
+        dense=ATTENTION_BACKENDS[dense_name](runner),
+        settings=settings_from_server_args(runner.server_args),
+        req_to_token_pool=runner.req_to_token_pool,
+        token_to_kv_pool=runner.token_to_kv_pool,
+        page_size=runner.page_size,
+    )

@@ -1,0 +1,197 @@
+"""prefill-accel: SGLang's scheduler with decode protection and shortest-remaining-prefill-first.
+
+Real ServerArgs parsed from the command line, real Req, SchedulePolicy, PrefillAdder and ScheduleBatch
+objects, and the scheduler's own get_next_batch_to_run; only what a scheduler needs a model and its
+pools for (forming the prefill batch, advancing the decodes, DP synchronisation) is stood in for.
+On an unpatched SGLang these fail: the flags and the policy name do not parse, the policy is unknown,
+and the scheduler never holds a prefill back.
+"""
+
+import argparse
+from array import array
+from types import SimpleNamespace
+
+import pytest
+
+from sglang.srt.managers import srpf_order
+from sglang.srt.managers.decode_protection import PrefillStreak
+from sglang.srt.managers.schedule_batch import NextBatchPlan, Req, ScheduleBatch
+from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+NOW = 1000.0
+
+
+def server_args(*flags: str) -> ServerArgs:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(["--model-path", "dummy", *flags]))
+
+
+def make_req(rid: str, prompt_tokens: int, entered: float, priority=None) -> Req:
+    req = Req(rid, "", array("q", range(prompt_tokens)), SamplingParams(max_new_tokens=16), priority=priority)
+    req.time_stats.wait_queue_entry_time = entered
+    return req
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    monkeypatch.setattr(srpf_order, "clock", lambda: NOW)
+
+
+def ordered(queue, *flags):
+    args = server_args("--schedule-policy", "srpf", *flags)
+    set_global_server_args_for_scheduler(args)
+    policy = SchedulePolicy(args.schedule_policy, RadixCache.create_simulated(), False,
+                            args.enable_priority_scheduling, args.schedule_low_priority_values_first)
+    policy.calc_priority(queue)
+    return [r.rid for r in queue]
+
+
+def test_flags_parse_into_server_args():
+    args = server_args(
+        "--prefill-attention-backend", "sparse_prefill", "--attention-backend", "triton",
+        "--sparse-prefill-min-len", "8192", "--sparse-prefill-dense-layers", "2",
+        "--sparse-prefill-threshold", "0.01", "--sparse-prefill-mean-correction",
+        "--max-consecutive-prefill-batches", "3", "--schedule-policy", "srpf", "--prefill-aging-s", "12.5",
+    )
+    assert args.get_attention_backends() == ("sparse_prefill", "triton")
+    assert (args.sparse_prefill_min_len, args.sparse_prefill_dense_layers) == (8192, 2)
+    assert (args.sparse_prefill_threshold, args.sparse_prefill_mean_correction) == (0.01, True)
+    assert (args.max_consecutive_prefill_batches, args.schedule_policy, args.prefill_aging_s) == (3, "srpf", 12.5)
+
+
+def test_sparse_prefill_defaults_are_the_kernels():
+    from prefill_accel import SparsePrefillConfig
+
+    args = server_args()
+    assert args.sparse_prefill_min_len == SparsePrefillConfig().min_q_len
+    assert args.sparse_prefill_threshold == SparsePrefillConfig().threshold
+    assert args.max_consecutive_prefill_batches is None and args.schedule_policy == "fcfs"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prefill-attention-backend", "sparse_prefill", "--sparse-prefill-block-size", "96"], "--sparse-prefill-block-size"),
+    (["--prefill-attention-backend", "sparse_prefill", "--sparse-prefill-min-len", "64"], "--sparse-prefill-min-len=64"),
+    (["--attention-backend", "sparse_prefill"], "--prefill-attention-backend sparse_prefill"),
+    (["--decode-attention-backend", "sparse_prefill"], "computes prefills only"),
+])
+def test_bad_sparse_prefill_flags_are_refused_at_startup_naming_the_flag(flags, message):
+    with pytest.raises(ValueError, match=message):
+        server_args(*flags)
+
+
+def test_sparse_prefill_flags_without_the_backend_draw_a_warning(caplog):
+    server_args("--sparse-prefill-min-len", "4096")
+    assert "--sparse-prefill-min-len set but the prefill attention backend is not sparse_prefill" in caplog.text
+
+
+def test_srpf_orders_the_queue_by_remaining_prefill(clock):
+    queue = [make_req("document", 8000, NOW - 3), make_req("chat", 100, NOW - 2), make_req("code", 1000, NOW - 1)]
+    assert ordered(queue) == ["chat", "code", "document"]
+
+
+def test_srpf_counts_output_of_retracted_requests_and_the_matched_prefix(clock):
+    retracted = make_req("retracted", 300, NOW - 3)
+    retracted.output_ids = array("q", range(400))  # 700 tokens to prefill again
+    cached = make_req("cached", 2000, NOW - 2)
+    cached.num_matched_prefix_tokens = 1800  # 200 left
+    fresh = make_req("fresh", 500, NOW - 1)
+    assert ordered([retracted, cached, fresh]) == ["cached", "fresh", "retracted"]
+
+
+def test_aging_puts_a_long_wait_first(clock):
+    queue = [make_req("chat", 100, NOW - 1), make_req("document", 8000, NOW - 40)]
+    assert ordered(queue, "--prefill-aging-s", "60") == ["chat", "document"]
+    # 40 s of a 30 s bound: the document's key is 0, ahead of anything younger.
+    assert ordered(queue, "--prefill-aging-s", "30") == ["document", "chat"]
+
+
+def test_priority_first_then_srpf_within_a_level(clock):
+    queue = [
+        make_req("low-short", 100, NOW - 4, priority=0),
+        make_req("high-long", 8000, NOW - 3, priority=5),
+        make_req("high-short", 200, NOW - 2, priority=5),
+        make_req("low-long", 4000, NOW - 1, priority=0),
+    ]
+    assert ordered(queue, "--enable-priority-scheduling") == ["high-short", "high-long", "low-short", "low-long"]
+    assert ordered(queue, "--enable-priority-scheduling", "--schedule-low-priority-values-first") == [
+        "low-short", "low-long", "high-short", "high-long"]
+
+
+@pytest.mark.parametrize("policy, admitted", [
+    ("fcfs", {"document": 1024}),
+    ("srpf", {"chat": 100, "code": 300, "document": 624}),
+])
+def test_long_and_short_queue_forms_the_prefill_batch_shortest_first(clock, policy, admitted):
+    """The scheduler's loop over the sorted queue into a real PrefillAdder (chunked prefill of 1024
+    tokens): first come first served spends the whole chunk on the document, srpf admits both short
+    requests and gives the document what is left."""
+    args = server_args("--schedule-policy", policy)
+    set_global_server_args_for_scheduler(args)
+    tree_cache = RadixCache.create_simulated()
+    queue = [make_req("document", 16000, NOW - 3), make_req("chat", 100, NOW - 2), make_req("code", 300, NOW - 1)]
+    SchedulePolicy(policy, tree_cache, False, False, False).calc_priority(queue)
+    allocator = SimpleNamespace(available_size=lambda: 1 << 20)
+    adder = PrefillAdder(1, tree_cache, allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 1024)
+    for req in queue:
+        req.init_next_round_input(tree_cache)
+        if adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None) != AddReqResult.CONTINUE:
+            break
+    assert {r.rid: r.extend_range.length for r in adder.can_run_list} == admitted
+    assert list(admitted) == [r.rid for r in adder.can_run_list]
+    assert adder.new_chunked_req.rid == "document"
+
+
+def scheduler_rounds(max_consecutive, rounds):
+    """Run the scheduler's get_next_batch_to_run while a long prompt is being prefilled chunk after
+    chunk and one request decodes; returns the mode of each batch it chose."""
+    decoding = make_req("decoding", 50, NOW)
+    running = ScheduleBatch(reqs=[decoding])
+
+    def next_chunk(running_batch):
+        chunk = ScheduleBatch(reqs=[make_req("document", 16000, NOW)], forward_mode=ForwardMode.EXTEND)
+        return NextBatchPlan(batch_to_run=chunk, running_batch=running_batch)
+
+    def decode(running_batch):
+        running_batch.forward_mode = ForwardMode.DECODE
+        return running_batch
+
+    scheduler = SimpleNamespace(
+        prefill_streak=PrefillStreak(max_consecutive), get_new_batch_prefill=next_chunk,
+        update_running_batch=decode, process_pending_chunked_abort=lambda: None, enable_fpm=False,
+        _abort_on_waiting_timeout=lambda: None, _abort_on_running_timeout=lambda batch: None,
+        dllm_config=None, chunked_req=None, enable_hisparse=False, require_mlp_sync=False,
+        dp_attn_adapter=SimpleNamespace(maybe_prepare_mlp_sync_batch=lambda batch, need_sync=False: batch),
+        ngram_embedding_manager=SimpleNamespace(prepare_for_forward=lambda batch, chunked_req: batch),
+    )
+    modes = []
+    for _ in range(rounds):
+        plan = Scheduler.get_next_batch_to_run(scheduler, running, last_batch=None)
+        modes.append(plan.batch_to_run.forward_mode.name)
+        running = plan.running_batch
+    return modes
+
+
+def test_decodes_run_after_the_bound_of_consecutive_prefill_batches():
+    set_global_server_args_for_scheduler(server_args())
+    assert scheduler_rounds(None, 6) == ["EXTEND"] * 6
+    assert scheduler_rounds(2, 7) == ["EXTEND", "EXTEND", "DECODE"] * 2 + ["EXTEND"]
+    assert scheduler_rounds(1, 4) == ["EXTEND", "DECODE"] * 2
+
+
+def test_prefill_streak_counts_only_prefills_that_kept_decodes_waiting():
+    streak = PrefillStreak(1)
+    nobody_decoding = ScheduleBatch(reqs=[])
+    chunk = ScheduleBatch(reqs=[make_req("document", 16000, NOW)], forward_mode=ForwardMode.EXTEND)
+    streak.record(chunk, nobody_decoding)
+    assert streak.length == 0 and not streak.holds_prefill(nobody_decoding)
+    decoding = ScheduleBatch(reqs=[make_req("decoding", 50, NOW)])
+    streak.record(chunk, decoding)
+    assert streak.holds_prefill(decoding)
+    with pytest.raises(ValueError, match="--max-consecutive-prefill-batches must be at least 1"):
+        PrefillStreak(0)

@@ -1,0 +1,222 @@
+"""prefill-accel: the sparse_prefill prefill attention backend on CPU, with SGLang's own pools and layers.
+
+Real MHATokenToKVPool, ReqToTokenPool, RadixAttention and ForwardBatch; the wrapped dense backend is
+SGLang's torch_native backend (the GPU ones need CUDA), and the kernels run through Triton's
+interpreter. Each batch mixes an extend after a cached prefix (chunked prefill or a radix-cache hit),
+a fresh prefill and a short extend, at page size 1 and 16, with the requests' pages scattered over
+the pool. The backend's translation of SGLang's metadata (req_to_token, extend and sequence lengths,
+the token-level KV buffer) is checked two ways: at threshold 0 (exact attention) against SGLang's
+dense backend, and with pruning against the kernel called on a page table built independently here.
+"""
+
+import os
+import random
+from types import SimpleNamespace
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from prefill_accel import sparse_prefill_attention  # noqa: E402
+from prefill_accel.flags import settings_from_flags  # noqa: E402
+from sglang.srt.layers.attention.sparse_prefill_backend import (  # noqa: E402
+    SparsePrefillAttnBackend,
+    sparse_batch,
+)
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
+from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+
+HEAD_DIM, Q_HEADS, KV_HEADS, LAYERS = 64, 4, 2, 3
+DTYPE = torch.float16
+# (cached prefix, new tokens) per request: a continuation chunk, a fresh prefill, a short extend.
+REQUESTS = [(128, 192), (0, 160), (96, 24)]
+MIN_LEN = 128  # the first two go to the kernel's sparse path, the third is computed dense by it
+SLOTS = 2048
+
+
+class RecordingDense(TorchNativeAttnBackend):
+    """SGLang's torch_native backend, counting the extend calls it computes."""
+
+    def __init__(self, runner):
+        super().__init__(runner)
+        self.extend_calls = 0
+
+    def forward_extend(self, *args, **kwargs):
+        self.extend_calls += 1
+        return super().forward_extend(*args, **kwargs)
+
+
+def settings(**flags):
+    values = {"min_len": MIN_LEN, "block_size": 64, "local_blocks": 0, "last_query_blocks": 0}
+    return settings_from_flags({**values, **flags})
+
+
+class Engine:
+    """The pools, the dense backend and ours, and one extend batch laid out in the pools."""
+
+    def __init__(self, page_size, requests=REQUESTS, mode=ForwardMode.EXTEND, **flags):
+        torch.manual_seed(0)
+        self.page_size = page_size
+        self.kv_pool = MHATokenToKVPool(
+            size=SLOTS, page_size=page_size, dtype=DTYPE, head_num=KV_HEADS, head_dim=HEAD_DIM,
+            layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+        )
+        self.req_pool = ReqToTokenPool(size=8, max_context_len=1024, device="cpu", enable_memory_saver=False)
+        runner = SimpleNamespace(device="cpu", req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool)
+        self.dense = RecordingDense(runner)
+        self.backend = SparsePrefillAttnBackend(
+            dense=self.dense, settings=settings(**flags), req_to_token_pool=self.req_pool,
+            token_to_kv_pool=self.kv_pool, page_size=page_size,
+        )
+        self.requests = requests
+        self.batch = self._lay_out(requests, mode)
+
+    def _lay_out(self, requests, mode) -> ForwardBatch:
+        """Give each request whole pages in a shuffled order (slots 0..page_size-1 are SGLang's
+        padding page), fill req_to_token, and return the batch's ForwardBatch."""
+        pages = list(range(1, SLOTS // self.page_size))
+        random.Random(1).shuffle(pages)
+        pool_indices, extend_slots = [], []
+        for row, (prefix, extend) in enumerate(requests, start=1):
+            count = -(-(prefix + extend) // self.page_size)
+            owned, pages = pages[:count], pages[count:]
+            slots = torch.cat([torch.arange(p * self.page_size, (p + 1) * self.page_size) for p in owned])
+            slots = slots[: prefix + extend].to(torch.int32)
+            self.req_pool.req_to_token[row, : prefix + extend] = slots
+            pool_indices.append(row)
+            extend_slots.append(slots[prefix:])
+            for layer in range(LAYERS):  # the cached prefix, written by earlier batches
+                self.kv_pool.k_buffer[layer][slots[:prefix].long()] = torch.randn(prefix, KV_HEADS, HEAD_DIM, dtype=DTYPE)
+                self.kv_pool.v_buffer[layer][slots[:prefix].long()] = torch.randn(prefix, KV_HEADS, HEAD_DIM, dtype=DTYPE)
+        prefix_lens = [p for p, _ in requests]
+        extend_lens = [e for _, e in requests]
+        seq_lens = torch.tensor([p + e for p, e in requests], dtype=torch.int64)
+        return ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(requests),
+            input_ids=torch.zeros(sum(extend_lens), dtype=torch.int64),
+            req_pool_indices=torch.tensor(pool_indices, dtype=torch.int64),
+            seq_lens=seq_lens,
+            out_cache_loc=torch.cat(extend_slots).long(),
+            seq_lens_sum=int(seq_lens.sum()),
+            seq_lens_cpu=seq_lens.clone(),
+            extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int32),
+            extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32),
+            extend_seq_lens_cpu=extend_lens,
+            extend_prefix_lens_cpu=prefix_lens,
+        )
+
+    def layer(self, layer_id=LAYERS - 1, **kwargs):
+        return RadixAttention(Q_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, KV_HEADS, layer_id, **kwargs)
+
+    def qkv(self):
+        tokens = sum(e for _, e in self.requests)
+        return (torch.randn(tokens, Q_HEADS * HEAD_DIM, dtype=DTYPE),
+                torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=DTYPE),
+                torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=DTYPE))
+
+    def forward(self, backend, layer, q, k, v):
+        backend.init_forward_metadata(self.batch)
+        return backend.forward_extend(q, k, v, layer, self.batch)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_exact_mode_matches_sglang_dense_backend(page_size):
+    engine = Engine(page_size, threshold=0.0)
+    layer, (q, k, v) = engine.layer(), engine.qkv()
+    ours = engine.forward(engine.backend, layer, q, k, v)
+    assert engine.dense.extend_calls == 0, "the batch should have gone to the kernel"
+    dense = engine.forward(engine.dense, layer, q, k, v)
+    assert ours.shape == dense.shape == q.shape
+    torch.testing.assert_close(ours.float(), dense.float(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_pruned_batch_equals_the_kernel_on_an_independent_page_table(page_size):
+    """With pruning, the backend's call is the kernel's on the same pages: its page table, lengths and
+    KV view are the ones built here from the requests' slots."""
+    engine = Engine(page_size, threshold=1.0, sink_blocks=0)
+    layer, (q, k, v) = engine.layer(), engine.qkv()
+    ours = engine.forward(engine.backend, layer, q, k, v)
+
+    k_pages = engine.kv_pool.k_buffer[layer.layer_id].view(-1, page_size, KV_HEADS, HEAD_DIM)
+    v_pages = engine.kv_pool.v_buffer[layer.layer_id].view(-1, page_size, KV_HEADS, HEAD_DIM)
+    width = max(-(-(p + e) // page_size) for p, e in REQUESTS)
+    page_table = torch.zeros(len(REQUESTS), width, dtype=torch.int32)
+    for row, (prefix, extend) in enumerate(REQUESTS):
+        slots = engine.req_pool.req_to_token[row + 1, : prefix + extend].long()
+        assert torch.equal(k_pages.flatten(0, 1)[slots[prefix:]], k[sum(e for _, e in REQUESTS[:row]):][:extend])
+        pages = slots[::page_size] // page_size
+        page_table[row, : len(pages)] = pages.to(torch.int32)
+    cu_seqlens_q = torch.tensor([0, 192, 352, 376], dtype=torch.int32)
+    seqlens_k = torch.tensor([p + e for p, e in REQUESTS], dtype=torch.int32)
+    expected, _ = sparse_prefill_attention(
+        q.view(-1, Q_HEADS, HEAD_DIM), k_pages, v_pages, page_table, cu_seqlens_q, seqlens_k,
+        config=engine.backend.settings.kernel, softmax_scale=layer.scaling,
+    )
+    torch.testing.assert_close(ours, expected.view(q.shape), atol=0, rtol=0)
+    # Pruning happened: the exact result differs.
+    assert not torch.allclose(ours.float(), engine.forward(engine.dense, layer, q, k, v).float(), atol=2e-3)
+
+
+def test_batch_translation_reads_the_pools_through_req_to_token():
+    engine = Engine(16)
+    plan = sparse_batch(engine.batch, engine.req_pool.req_to_token, 16, engine.backend.settings)
+    assert plan.cu_seqlens_q.tolist() == [0, 192, 352, 376]
+    assert plan.seqlens_k.tolist() == [320, 160, 120]
+    assert plan.total_q == 376 and plan.page_table.dtype == torch.int32
+    for row, (prefix, extend) in enumerate(REQUESTS):
+        slots = engine.req_pool.req_to_token[row + 1, : prefix + extend]
+        pages = plan.page_table[row, : -(-(prefix + extend) // 16)]
+        assert torch.equal(pages, (slots[::16] // 16).to(torch.int32))
+        # the slots of a request's pages, in order, are its token slots
+        assert torch.equal((pages[:, None] * 16 + torch.arange(16)).flatten()[: prefix + extend], slots)
+
+
+@pytest.mark.parametrize("case", ["short extends", "dense layer", "sliding window", "logit cap", "target verify"])
+def test_what_stays_on_the_dense_backend(case):
+    requests, mode, layer_kwargs = REQUESTS, ForwardMode.EXTEND, {}
+    if case == "short extends":
+        requests = [(128, 64), (0, 100)]
+    elif case == "sliding window":
+        layer_kwargs = {"sliding_window_size": 256}
+    elif case == "logit cap":
+        layer_kwargs = {"logit_cap": 30.0}
+    elif case == "target verify":
+        mode = ForwardMode.TARGET_VERIFY
+    engine = Engine(1, requests=requests, mode=mode, dense_layers=2)
+    layer = engine.layer(layer_id=1 if case == "dense layer" else LAYERS - 1, **layer_kwargs)
+    q, k, v = engine.qkv()
+    ours = engine.forward(engine.backend, layer, q, k, v)
+    assert engine.dense.extend_calls == 1
+    torch.testing.assert_close(ours, engine.forward(engine.dense, layer, q, k, v), atol=0, rtol=0)
+
+
+def test_a_quantized_or_hybrid_pool_keeps_every_batch_dense():
+    class HybridPool(MHATokenToKVPool):
+        pass
+
+    pool = HybridPool(size=64, page_size=1, dtype=DTYPE, head_num=KV_HEADS, head_dim=HEAD_DIM, layer_num=1,
+                      device="cpu", enable_memory_saver=False)
+    backend = SparsePrefillAttnBackend(dense=None, settings=settings(), req_to_token_pool=None,
+                                       token_to_kv_pool=pool, page_size=1)
+    assert "HybridPool" in backend.pool_reason
+
+
+def test_the_registry_wraps_the_decode_backend():
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import ServerArgs
+
+    engine = Engine(1)
+    args = ServerArgs(model_path="dummy", prefill_attention_backend="sparse_prefill",
+                      attention_backend="torch_native", sparse_prefill_min_len=4096)
+    runner = SimpleNamespace(server_args=args, device="cpu", req_to_token_pool=engine.req_pool,
+                             token_to_kv_pool=engine.kv_pool, page_size=1)
+    backend = ATTENTION_BACKENDS["sparse_prefill"](runner)
+    assert type(backend.dense) is TorchNativeAttnBackend and backend.settings.kernel.min_q_len == 4096
+    args.attention_backend = None
+    with pytest.raises(ValueError, match="set --attention-backend or --decode-attention-backend"):
+        ATTENTION_BACKENDS["sparse_prefill"](runner)
