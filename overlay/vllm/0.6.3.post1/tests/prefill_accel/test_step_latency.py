@@ -15,23 +15,29 @@ from vllm.engine.arg_utils import EngineArgs
 
 
 class FakeGpu:
-    """A clock a step advances by fixed + per_token * tokens + per_pair * attention pairs."""
+    """A clock a step advances by fixed + per_token * tokens + per_pair * attention pairs
+    + per_context * the context each prefill chunk reads before its own tokens."""
 
-    def __init__(self, fixed_s: float, per_token_s: float, per_pair_s: float = 0.0):
+    def __init__(self, fixed_s: float, per_token_s: float, per_pair_s: float = 0.0,
+                 per_context_s: float = 0.0):
         self.now = 1000.0
         self.fixed_s, self.per_token_s, self.per_pair_s = fixed_s, per_token_s, per_pair_s
+        self.per_context_s = per_context_s
 
     def __call__(self) -> float:
         return self.now
 
     def run(self, out) -> None:
-        tokens = pairs = 0
+        tokens = pairs = read = 0
         for scheduled in out.scheduled_seq_groups:
             n = scheduled.token_chunk_size
             context = scheduled.seq_group.get_seqs()[0].data.get_num_computed_tokens()
             tokens += n
             pairs += attention_pairs(context, n)
-        self.now += self.fixed_s + self.per_token_s * tokens + self.per_pair_s * pairs
+            if scheduled.seq_group.is_prefill():
+                read += context
+        self.now += (self.fixed_s + self.per_token_s * tokens + self.per_pair_s * pairs
+                     + self.per_context_s * read)
 
 
 def decoding_chats(scheduler, gpu: FakeGpu, count: int) -> None:
@@ -93,6 +99,23 @@ def test_every_partial_prefill_keeps_a_floor_when_decodes_alone_exceed_the_targe
     add(scheduler, "3", 64, first_token=90_000)
     chunks = step(scheduler, gpu.run)
     assert chunks["1"] == BLOCK_SIZE and chunks["3"] == BLOCK_SIZE
+
+
+def test_a_chunk_whose_context_read_does_not_fit_keeps_a_block_and_decodes_keep_running():
+    # Reading 1000 tokens of context costs 10 ms, a whole step: late chunks of the document fit at
+    # no size. V0's running loop stops at the first group given no tokens, so instead of being
+    # refused (as on 0.26.0) the document keeps one block per step and the decodes never stall.
+    scheduler = make_scheduler(512, max_step_latency_ms=10.0)
+    gpu = FakeGpu(fixed_s=0.002, per_token_s=10e-6, per_context_s=10e-6)
+    decoding_chats(scheduler, gpu, 2)
+    add(scheduler, "1", 1800, first_token=50_000)
+    doc_chunks = []
+    for _ in range(12):
+        chunks = step(scheduler, gpu.run)
+        assert chunks["10"] == 1 and chunks["11"] == 1
+        doc_chunks.append(chunks.get("1", 0))
+    assert min(doc_chunks) >= BLOCK_SIZE
+    assert doc_chunks[-1] == BLOCK_SIZE  # the context read no longer fits: one block
 
 
 def test_without_a_target_prefill_takes_the_budget_left_by_decodes():

@@ -13,10 +13,10 @@ Timing: the V0 engine runs one step after another while requests run, so a step'
 time from its `schedule()` to the next one. A step is observed only when requests were still
 running at the next `schedule()`, which excludes idle time after the last request finished.
 
-Until the model has seen a few steps, or while no decode runs, prefills are not capped. A chunk
-whose context read alone does not fit waits; after `STARVATION_STEPS` such steps one step takes it
-whole. When the decodes alone exceed the target, the step's first prefill chunk (each one with
-partial-prefill limits) still gets one KV block, and a warning says the target is below what the
+Until the model has seen a few steps, or while no decode runs, prefills are not capped. Unlike on
+0.26.0, a chunk whose context read alone does not fit is not refused: V0's running loop stops at the
+first group that gets no tokens, which would hold back the decodes behind it, so every chunk keeps
+one KV block. When the decodes alone exceed the target, a warning says the target is below what the
 decodes take (`prefill_accel.scheduling.PrefillTime`).
 """
 
@@ -75,9 +75,12 @@ class StepTimeBudget(PrefillTime):
 
     def limit(self, seq_group: SequenceGroup, num_new_tokens: int,
               seconds: Optional[float], floor_each: bool) -> int:
-        """The part of a prefill chunk that fits the step's time (PrefillTime.limit_tokens)."""
-        return self.limit_tokens(computed_tokens(seq_group), num_new_tokens,
-                                 seconds, floor_each)
+        """The part of a prefill chunk that fits the step's time (PrefillTime.limit_tokens), at
+        least `min_prefill_tokens`: V0's running loop stops at the first group given no tokens, so
+        a refused chunk would hold back every decode queued behind it."""
+        allowed = self.limit_tokens(computed_tokens(seq_group), num_new_tokens,
+                                    seconds, floor_each)
+        return allowed or min(num_new_tokens, self.min_prefill_tokens)
 
     def consume(self, seq_group: SequenceGroup, num_tokens: int) -> None:
         """Charge a scheduled prefill chunk to the step's time."""
