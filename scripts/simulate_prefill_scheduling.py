@@ -3,7 +3,8 @@
 
 Drives the scheduler of vLLM 0.26.0 (`--engine v1`, `vllm.v1.core.sched.scheduler.Scheduler`) or of
 vLLM 0.6.3 (`--engine v0`, `vllm.core.scheduler.Scheduler`) step by step on simulated time: each step's
-duration comes from a cost model (fixed + per token + per attention query-key pair, an 8B-class
+duration comes from a cost model (fixed + per token + per attention query-key pair + per token of
+context a prefill chunk reads before its own, an 8B-class
 model on one H200-class GPU with dense attention; illustrative, not measured), fed back to the
 scheduler as its clock. Workload: background chats decoding from the start, one 128K-token
 document, then short chat requests arriving every half second while the document prefills.
@@ -32,6 +33,11 @@ from pathlib import Path
 FIXED_S = 0.005
 PER_TOKEN_S = 30e-6
 PER_PAIR_S = 1.3e-9
+# Per token of context a prefill chunk reads before its own tokens: prefill attention splits work by
+# query tiles, so a small chunk reads its context with few thread blocks; 128 KiB of K/V per token
+# (32 layers x 8 KV heads x 128 x bf16 x 2) at ~1 TB/s. The H200 run of SmolLM2 showed the effect
+# (docs/e2e-vllm.md, mixed load).
+PER_CONTEXT_S = 0.13e-6
 
 # An 8B Llama-style config with a 128K context; only the scheduler and KV sizing read it.
 MODEL_CONFIG = {
@@ -249,7 +255,10 @@ def simulate(engine_cls, model_dir: str, max_num_batched_tokens: int, options: d
             continue
         decoding = engine.decoding()
         chunks = engine.schedule()
-        duration = FIXED_S + sum(PER_TOKEN_S * n + PER_PAIR_S * attention_pairs(c, n) for n, c in chunks.values())
+        duration = FIXED_S + sum(
+            PER_TOKEN_S * n + PER_PAIR_S * attention_pairs(c, n) + (PER_CONTEXT_S * c if r not in decoding else 0.0)
+            for r, (n, c) in chunks.items()
+        )
         clock.now += max(duration, 1e-4)
         if decoding:
             decode_steps.append(duration)
