@@ -69,6 +69,19 @@ def decoding_chats(scheduler, gpu, count: int, max_tokens: int) -> None:
         run_step(scheduler, gpu.run)
 
 
+def prefill_document(scheduler, gpu, decodes: int, max_steps: int) -> tuple[list[float], list[int]]:
+    """Step until "doc" finishes (or max_steps): each step's time, and doc's chunk in it; every
+    step must carry one token for each of the `decodes` decoding chats."""
+    step_times, doc_chunks = [], []
+    while "doc" in scheduler.requests and len(step_times) < max_steps:
+        before = gpu.now
+        step = run_step(scheduler, gpu.run)
+        assert all(step.num_scheduled_tokens[f"chat{i}"] == 1 for i in range(decodes))
+        step_times.append(gpu.now - before)
+        doc_chunks.append(step.num_scheduled_tokens.get("doc", 0))
+    return step_times, doc_chunks
+
+
 def test_step_latency_target_limits_prefill_tokens_next_to_decodes():
     target_ms = 20.0
     gpu = FakeGpu(fixed_s=0.005, per_token_s=20e-6)  # 2048 tokens: 46 ms
@@ -76,13 +89,7 @@ def test_step_latency_target_limits_prefill_tokens_next_to_decodes():
     decoding_chats(scheduler, gpu, 4, max_tokens=200)
     scheduler.add_request(make_request("doc", 2000, max_tokens=1))
 
-    step_times, doc_chunks = [], []
-    while "doc" in scheduler.requests and len(step_times) < 20:
-        before = gpu.now
-        step = run_step(scheduler, gpu.run)
-        assert all(step.num_scheduled_tokens[f"chat{i}"] == 1 for i in range(4))
-        step_times.append(gpu.now - before)
-        doc_chunks.append(step.num_scheduled_tokens.get("doc", 0))
+    step_times, doc_chunks = prefill_document(scheduler, gpu, decodes=4, max_steps=20)
 
     # Every step stays within the target, in chunks of about the largest size that fits next
     # to the four decodes (746 tokens), where the budget alone would allow 2044.
@@ -128,12 +135,7 @@ def test_a_chunk_that_cannot_fit_its_context_read_waits_instead_of_crawling():
     decoding_chats(scheduler, gpu, 2, max_tokens=900)
     scheduler.add_request(make_request("doc", 1800, max_tokens=1))
 
-    step_times, doc_chunks = [], []
-    while "doc" in scheduler.requests and len(step_times) < 800:
-        before = gpu.now
-        step = run_step(scheduler, gpu.run)
-        step_times.append(gpu.now - before)
-        doc_chunks.append(step.num_scheduled_tokens.get("doc", 0))
+    step_times, doc_chunks = prefill_document(scheduler, gpu, decodes=2, max_steps=800)
 
     assert "doc" not in scheduler.requests, "the document never finished"
     chunks = [c for c in doc_chunks if c]
