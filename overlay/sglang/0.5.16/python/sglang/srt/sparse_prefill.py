@@ -15,7 +15,7 @@ from prefill_accel.flags import (
     SUFFIXES,
     SparsePrefillSettings,
     changed_flags,
-    default_value,
+    default_value,  # noqa: F401  (ServerArgs takes its field defaults from here)
     settings_from_flags,
 )
 
