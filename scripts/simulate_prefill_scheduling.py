@@ -3,18 +3,19 @@
 
 Drives the scheduler of vLLM 0.26.0 (`--engine v1`, `vllm.v1.core.sched.scheduler.Scheduler`) or of
 vLLM 0.6.3 (`--engine v0`, `vllm.core.scheduler.Scheduler`) step by step on simulated time: each step's
-duration comes from a cost model (fixed + per token + per attention query-key pair + per token of
-context a prefill chunk reads before its own, an 8B-class
-model on one H200-class GPU with dense attention; illustrative, not measured), fed back to the
-scheduler as its clock. Workload: background chats decoding from the start, one 128K-token
-document, then short chat requests arriving every half second while the document prefills.
+duration comes from a cost model (`Costs`: fixed + per token + per attention query-key pair + per token
+of context a prefill chunk reads before its own; `--costs 8b`, an illustrative 8B-class model on one
+H200-class GPU with dense attention, or `--costs smollm2`, SmolLM2-135M as measured on the H200), fed
+back to the scheduler as its clock. Workloads: `doc` (default), background chats decoding from the
+start, one 128K-token document, then short chat requests every half second while it prefills; `serve`,
+the H200 mixed load of docs/e2e-vllm.md (Poisson chats, one long document or none).
 Prints a Markdown table per scheduler configuration: short requests' time to first schedule
 and to first token, decode step time (inter-token latency) and decode stalls, document TTFT.
 
 Run it with a vLLM tree (patched or not) and the runtime package first on PYTHONPATH, in that
 vLLM's CPU test environment; configurations whose options this vLLM lacks are reported as such:
 
-  PYTHONPATH=<vLLM 0.26.0 tree>:kernels python scripts/simulate_prefill_scheduling.py --configs all
+  PYTHONPATH=<vLLM 0.26.0 tree>:kernels python scripts/simulate_prefill_scheduling.py
   PYTHONPATH=<vLLM 0.6.3 tree>:kernels python scripts/simulate_prefill_scheduling.py --engine v0
 """
 
@@ -23,21 +24,42 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-# Cost model of one step (seconds). Per token: ~16 GFLOP of linear layers for an 8B model at
-# ~550 TFLOP/s; per pair: 4 * d_model * layers = 0.5 MFLOP of attention at ~400 TFLOP/s.
-FIXED_S = 0.005
-PER_TOKEN_S = 30e-6
-PER_PAIR_S = 1.3e-9
-# Per token of context a prefill chunk reads before its own tokens: prefill attention splits work by
-# query tiles, so a small chunk reads its context with few thread blocks; 128 KiB of K/V per token
-# (32 layers x 8 KV heads x 128 x bf16 x 2) at ~1 TB/s. The H200 run of SmolLM2 showed the effect
-# (docs/e2e-vllm.md, mixed load).
-PER_CONTEXT_S = 0.13e-6
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Cost model of one step, seconds: fixed + per token + per attention query-key pair + per token of
+    context a prefill chunk reads before its own tokens (prefill attention splits its work by query
+    tiles, so a small chunk reads its context with few thread blocks)."""
+
+    fixed_s: float
+    per_token_s: float
+    per_pair_s: float
+    per_context_s: float
+
+    def step(self, chunks: dict[str, tuple[int, int]], decoding: set[str]) -> float:
+        return self.fixed_s + sum(
+            self.per_token_s * n + self.per_pair_s * attention_pairs(c, n)
+            + (self.per_context_s * c if r not in decoding else 0.0)
+            for r, (n, c) in chunks.items()
+        )  # fmt: skip
+
+
+COSTS = {
+    # Illustrative: ~16 GFLOP of linear layers per token at ~550 TFLOP/s; 4 * d_model * layers = 0.5 MFLOP
+    # per pair at ~400 TFLOP/s; 128 KiB of K/V per context token (32 layers x 8 KV heads x 128 x bf16 x 2)
+    # read at ~1 TB/s.
+    "8b": Costs(fixed_s=0.005, per_token_s=30e-6, per_pair_s=1.3e-9, per_context_s=0.13e-6),
+    # SmolLM2-135M on one H200 under vllm serve, from the runs of docs/e2e-vllm.md: ~2 ms decode steps
+    # (ITL p50), FA3's 9.87 ms per layer for a 16384-token chunk after 112K tokens (1.5e-10 s per pair over
+    # 30 layers), ~8-10 ms for a small chunk at 50K context (0.16 us per context token); per token a guess.
+    "smollm2": Costs(fixed_s=0.002, per_token_s=3e-6, per_pair_s=1.5e-10, per_context_s=0.16e-6),
+}
 
 # An 8B Llama-style config with a 128K context; only the scheduler and KV sizing read it.
 MODEL_CONFIG = {
@@ -55,6 +77,9 @@ PARTIAL = dict(max_num_partial_prefills=4, max_long_partial_prefills=1,
 SRPF = dict(prefill_order="srpf", prefill_aging_s=30.0)
 TARGET = dict(max_step_latency_ms=60.0)
 CONFIGS: dict[str, dict] = {
+    # The patched server of the H200 mixed load (docs/e2e-vllm.md, run 3), for --workload serve.
+    "e2e": dict(max_num_partial_prefills=4, max_long_partial_prefills=1, long_prefill_token_threshold=4096,
+                prefill_order="srpf", max_step_latency_ms=4.7),
     "defaults": {},
     "srpf": SRPF,
     "partial": PARTIAL,
@@ -73,7 +98,7 @@ class Arrival:
     kind: str  # "background", "doc" or "chat"
 
 
-def workload(doc_tokens: int, num_chats: int, num_background: int) -> list[Arrival]:
+def doc_workload(doc_tokens: int, num_chats: int, num_background: int) -> list[Arrival]:
     """Background chats decoding from 0 s; at 0.5 s the document and, right behind it, a burst of
     4 chats; the other chats every 0.5 s from 1 s."""
     arrivals = [Arrival(f"bg{i}", 0.0, 256, 100_000, "background") for i in range(num_background)]
@@ -82,6 +107,19 @@ def workload(doc_tokens: int, num_chats: int, num_background: int) -> list[Arriv
     arrivals += [Arrival(f"chat{i}", 0.5 + 1e-6 * (i + 1), 300, 32, "chat") for i in range(burst)]
     arrivals += [Arrival(f"chat{i}", 1.0 + 0.5 * (i - burst), 300, 32, "chat")
                  for i in range(burst, num_chats)]
+    return arrivals
+
+
+def serve_workload(doc_tokens: int, rate: float, seconds: float, seed: int = 3) -> list[Arrival]:
+    """The H200 mixed load: chats of 200-800 prompt tokens (plus ~30 of chat template) and 48 output
+    tokens arriving as a Poisson stream of `rate` per second for `seconds`; the document (if any) at 1 s."""
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    while t < seconds:
+        arrivals.append(Arrival(f"chat{len(arrivals)}", t, rng.randint(230, 830), 48, "chat"))
+        t += rng.expovariate(rate)
+    if doc_tokens:
+        arrivals.append(Arrival("doc", 1.0, doc_tokens, 4, "doc"))
     return arrivals
 
 
@@ -235,7 +273,7 @@ ENGINES = {"v1": V1Engine, "v0": V0Engine}
 
 
 def simulate(engine_cls, model_dir: str, max_num_batched_tokens: int, options: dict,
-             arrivals: list[Arrival], max_steps: int) -> dict:
+             arrivals: list[Arrival], max_steps: int, costs: Costs) -> dict:
     clock = SimClock()
     t0 = clock.now
     engine = engine_cls(max_num_batched_tokens, options, clock, model_dir)
@@ -247,7 +285,8 @@ def simulate(engine_cls, model_dir: str, max_num_batched_tokens: int, options: d
     decode_steps: list[float] = []
     stalls = 0
     for _ in range(max_steps):
-        while pending and pending[0].at_s <= clock.now - t0:
+        # Compared on the clock's own scale: after a jump to t0 + at_s, clock.now - t0 can round below at_s.
+        while pending and t0 + pending[0].at_s <= clock.now:
             a = pending.pop(0)
             engine.add(a, t0 + a.at_s)
         if not engine.has_requests():
@@ -255,10 +294,7 @@ def simulate(engine_cls, model_dir: str, max_num_batched_tokens: int, options: d
             continue
         decoding = engine.decoding()
         chunks = engine.schedule()
-        duration = FIXED_S + sum(
-            PER_TOKEN_S * n + PER_PAIR_S * attention_pairs(c, n) + (PER_CONTEXT_S * c if r not in decoding else 0.0)
-            for r, (n, c) in chunks.items()
-        )
+        duration = costs.step(chunks, decoding)
         clock.now += max(duration, 1e-4)
         if decoding:
             decode_steps.append(duration)
@@ -267,7 +303,7 @@ def simulate(engine_cls, model_dir: str, max_num_batched_tokens: int, options: d
             first_scheduled.setdefault(r, clock.now - duration - t0 - kinds[r].at_s)
         for r in engine.complete():
             first_token.setdefault(r, clock.now - t0 - kinds[r].at_s)
-        if "doc" in first_token and all(c in first_token for c in chats):
+        if ("doc" in first_token or "doc" not in kinds) and all(c in first_token for c in chats):
             break
 
     ttfs = [first_scheduled[c] for c in chats if c in first_scheduled]
@@ -298,11 +334,18 @@ def fmt(v) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default="all",
-                        help=f"comma-separated names from {', '.join(CONFIGS)}, or all")
-    parser.add_argument("--doc-tokens", type=int, default=128_000)
-    parser.add_argument("--chats", type=int, default=20)
-    parser.add_argument("--background", type=int, default=16, help="chats decoding throughout")
+    parser.add_argument("--configs", default=None,
+                        help=f"comma-separated names from {', '.join(CONFIGS)}, or all (default: all but e2e "
+                        "for the doc workload, defaults,e2e for serve)")
+    parser.add_argument("--workload", choices=["doc", "serve"], default="doc",
+                        help="doc: background decodes, a document, chats every 0.5 s (the tables of "
+                        "docs/scheduler.md); serve: the H200 mixed load of docs/e2e-vllm.md")
+    parser.add_argument("--costs", choices=sorted(COSTS), default="8b", help="step cost model")
+    parser.add_argument("--doc-tokens", type=int, default=128_000, help="0: no document")
+    parser.add_argument("--chats", type=int, default=20, help="doc workload: chats")
+    parser.add_argument("--background", type=int, default=16, help="doc workload: chats decoding throughout")
+    parser.add_argument("--rate", type=float, default=4.0, help="serve workload: chats per second")
+    parser.add_argument("--seconds", type=float, default=20.0, help="serve workload: seconds of arrivals")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-steps", type=int, default=20_000)
     parser.add_argument("--engine", choices=sorted(ENGINES), default="v1",
@@ -310,7 +353,10 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
-    names = list(CONFIGS) if args.configs == "all" else args.configs.split(",")
+    if args.configs is None:
+        names = [n for n in CONFIGS if n != "e2e"] if args.workload == "doc" else ["defaults", "e2e"]
+    else:
+        names = list(CONFIGS) if args.configs == "all" else args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
@@ -322,14 +368,22 @@ def main() -> int:
         from vllm.platforms.cpu import CpuPlatform
 
         vllm.platforms.current_platform = CpuPlatform()
-    arrivals = workload(args.doc_tokens, args.chats, args.background)
+    if args.workload == "doc":
+        arrivals = doc_workload(args.doc_tokens, args.chats, args.background)
+        described = (f"{args.background} chats decoding throughout; one {args.doc_tokens}-token document at "
+                     f"0.5 s with a burst of 4 chats right behind it, then chats every 0.5 s ({args.chats} chats "
+                     "of 300 tokens in all)")
+    else:
+        arrivals = serve_workload(args.doc_tokens, args.rate, args.seconds)
+        described = (f"chats of 230-830 tokens (48 out) at {args.rate}/s for {args.seconds} s"
+                     + (f"; one {args.doc_tokens}-token document at 1 s" if args.doc_tokens else ""))
     results = {}
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(MODEL_CONFIG))
         for name in names:
             try:
                 results[name] = simulate(ENGINES[args.engine], model_dir, args.max_num_batched_tokens,
-                                         CONFIGS[name], arrivals, args.max_steps)
+                                         CONFIGS[name], arrivals, args.max_steps, COSTS[args.costs])
             except (TypeError, ValueError) as e:
                 if "unexpected keyword" not in str(e) and "Unexpected keyword" not in str(e):
                     raise
@@ -340,10 +394,8 @@ def main() -> int:
     columns = ["chat_ttfs_mean_ms", "chat_ttfs_max_ms", "chat_ttft_mean_ms", "chat_ttft_max_ms",
                "chats_done", "decode_step_p50_ms", "decode_step_p99_ms", "decode_step_max_ms",
                "decode_stalls", "doc_ttft_s"]
-    print(f"workload: {args.background} chats decoding throughout; one {args.doc_tokens}-token "
-          f"document at 0.5 s with a burst of 4 chats right behind it, then chats every 0.5 s "
-          f"({args.chats} chats of 300 tokens in all); max_num_batched_tokens="
-          f"{args.max_num_batched_tokens}; {args.engine} scheduler of vllm {vllm.__version__} from {vllm.__file__}\n")
+    print(f"workload: {described}; costs {args.costs}; max_num_batched_tokens={args.max_num_batched_tokens}; "
+          f"{args.engine} scheduler of vllm {vllm.__version__} from {vllm.__file__}\n")
     print("| config | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for name, r in results.items():
