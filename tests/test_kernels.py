@@ -13,7 +13,8 @@ from prefill_accel import (
     select_blocks,
     sparse_prefill_attention,
 )
-from prefill_accel import reference
+from prefill_accel import layout as layout_module
+from prefill_accel import reference, triton_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -68,6 +69,27 @@ def test_sparse_equals_masked_reference_under_own_index(page_size, dtype, heads)
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
     dense, _ = reference.dense_paged_attention(*batch.args)
     assert rel_err(want, dense) > 1e-3, "pruning must change the output on these inputs"
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+def test_long_dense_rows_split_over_the_keys_match_the_reference(monkeypatch, page_size, heads):
+    """Split-KV of long dense rows (the forced last query blocks, a short chunk after a long prefix),
+    made to happen at test sizes: rows of 2+ blocks split, ranges of 1+ block, at most 3 of them so
+    the last range is ragged."""
+    monkeypatch.setattr(layout_module, "LONG_ROW_BLOCKS", 2)
+    monkeypatch.setattr(triton_kernels, "MIN_SPLIT_BLOCKS", 1)
+    monkeypatch.setattr(triton_kernels, "MAX_SPLITS", 3)
+    batch = make_batch(q_lens=[520, 70, 40], k_lens=[520, 600, 460], num_heads=heads[0], num_kv_heads=heads[1],
+                       page_size=page_size, device=DEVICE)  # fmt: skip
+    config = sparse_config(last_query_blocks=1, min_q_len=64)  # the 40-token chunk is dense as a whole
+    index = select_blocks(*batch.search_args, config=config)
+    assert index.layout.long_rows.tolist() == [8, 10, 11, 12] and index.layout.long_row_blocks == 9
+    out, lse = sparse_prefill_attention(*batch.args, config=config, out=poisoned_out(batch.q))
+    want, want_lse = reference.block_masked_attention(*batch.args, index)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all(), "every output row and lse must be written"
+    assert rel_err(out, want) < TOL[torch.float16]
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
 
 
 def test_selection_matches_reference_search():

@@ -14,6 +14,11 @@ import torch
 
 from .config import SparsePrefillConfig
 
+# A dense query block with at least this many key blocks before its diagonal is a long row: in a
+# sparse step the attention kernel splits its walk over the keys across programs (split-KV), or
+# that one program would still be walking the context after every sparse block is done.
+LONG_ROW_BLOCKS = 32
+
 
 @dataclass(frozen=True)
 class BatchLayout:
@@ -34,6 +39,10 @@ class BatchLayout:
     """Every query block is dense, so no search is needed (known on the host, no device read)."""
     config: SparsePrefillConfig
     """The configuration the layout was built for (its dense blocks depend on it)."""
+    long_rows: torch.Tensor
+    """(n,) int32: the dense query blocks with at least `LONG_ROW_BLOCKS` key blocks before their diagonal."""
+    long_row_blocks: int
+    """The most key blocks before the diagonal among `long_rows` (0 when there are none)."""
 
     @property
     def batch(self) -> int:
@@ -88,6 +97,8 @@ class BatchLayout:
                 positions.append(pos)
                 dense.append(1 if seq_dense or pos >= last - config.last_query_blocks else 0)
             starts.append(starts[-1] + n)
+        long_rows = [i for i, (p, d) in enumerate(zip(positions, dense)) if d and p >= LONG_ROW_BLOCKS]
+
         def as_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
             host = torch.tensor(values, dtype=dtype)
             if torch.device(device).type != "cuda":
@@ -104,6 +115,8 @@ class BatchLayout:
             seq_qblock_start=tuple(starts),
             all_dense=all(dense),
             config=config,
+            long_rows=as_tensor(long_rows, torch.int32),
+            long_row_blocks=max((positions[i] for i in long_rows), default=0),
         )
 
 

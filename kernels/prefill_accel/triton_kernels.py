@@ -23,6 +23,15 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DOT_IN_FP32 = tl.constexpr(INTERPRET)
 
 
+# Split-KV of long dense rows (layout.LONG_ROW_BLOCKS): each program takes at least MIN_SPLIT_BLOCKS
+# key blocks (2K keys at block 128, enough work to hide its launch and merge), at most MAX_SPLITS
+# programs per row (bounds the float32 scratch: splits x rows x block x heads x head_dim).
+MIN_SPLIT_BLOCKS = 16
+MAX_SPLITS = 16
+SPLIT_BLOCK_M = 64  # divides every supported block size
+SPLIT_BLOCK_N = 64
+
+
 def _attention_configs() -> list[triton.Config]:
     """Tile shapes tried for the attention kernel; the interpreter gets the one with fewest programs."""
     if INTERPRET:
@@ -244,6 +253,87 @@ def _select_kernel(
         tl.store(counts + qb * tl.num_programs(1) + h, kept)
 
 
+@triton.jit
+def _query_tile(qblock_seq, qblock_pos, cu_seqlens_q, seqlens_k, qb, sub, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Where tile ``sub`` of query block ``qb`` lies: its sequence, block position, key length, the
+    queries' absolute positions and which of them belong to this step, and their packed rows."""
+    seq = tl.load(qblock_seq + qb)
+    pos = tl.load(qblock_pos + qb)
+    k_len = tl.load(seqlens_k + seq)
+    q_start = tl.load(cu_seqlens_q + seq)
+    prefix = k_len - (tl.load(cu_seqlens_q + seq + 1) - q_start)
+    q_pos = pos * BLOCK + sub * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_valid = (q_pos >= prefix) & (q_pos < k_len)
+    q_rows = (q_start + q_pos - prefix).to(tl.int64)
+    return seq, pos, k_len, prefix, q_pos, q_valid, q_rows
+
+
+@triton.jit
+def _attend_kept(
+    q_tile, k_cache, v_cache, pt_row, indices, index_row, t_start, t_end, kv_head, row_max, row_sum, acc, qk_scale,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over key tiles ``t_start .. t_end`` of the kept blocks below the diagonal
+    (``indices`` row ``index_row``; every block when DENSE), which need no causal mask."""
+    SUB_N: tl.constexpr = BLOCK // BLOCK_N
+    dims = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BLOCK_N)
+    for t in range(t_start, t_end):
+        if DENSE:
+            k_first = t * BLOCK_N
+        else:
+            block = tl.load(indices + index_row + t // SUB_N)
+            k_first = block * BLOCK + (t % SUB_N) * BLOCK_N
+        page, slot = _kv_slots(pt_row, k_first + cols, PAGE_SIZE, None)
+        keys = tl.load(k_cache + (page * stride_kp + slot * stride_ks + kv_head * stride_kh)[:, None] + dims[None, :])
+        logits = _dot(q_tile, tl.trans(keys)) * qk_scale
+        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+        probs = tl.exp2(logits - new_max[:, None])
+        rescale = tl.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None]
+        values = tl.load(v_cache + (page * stride_vp + slot * stride_vs + kv_head * stride_vh)[:, None] + dims[None, :])
+        acc += _dot(probs.to(values.dtype), values)
+        row_max = new_max
+    return row_max, row_sum, acc
+
+
+@triton.jit
+def _attend_diagonal(
+    q_tile, q_pos, pos, last_row, k_len, k_cache, v_cache, pt_row, kv_head, row_max, row_sum, acc, qk_scale,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over the diagonal block up to ``last_row``, masked causally."""
+    dims = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BLOCK_N)
+    for k_first in range(pos * BLOCK, last_row + 1, BLOCK_N):
+        k_pos = k_first + cols
+        k_valid = k_pos < k_len
+        page, slot = _kv_slots(pt_row, k_pos, PAGE_SIZE, k_valid)
+        keys = tl.load(
+            k_cache + (page * stride_kp + slot * stride_ks + kv_head * stride_kh)[:, None] + dims[None, :],
+            mask=k_valid[:, None],
+            other=0.0,
+        )
+        logits = _dot(q_tile, tl.trans(keys)) * qk_scale
+        logits = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :], logits, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+        probs = tl.exp2(logits - new_max[:, None])
+        rescale = tl.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None]
+        values = tl.load(
+            v_cache + (page * stride_vp + slot * stride_vs + kv_head * stride_vh)[:, None] + dims[None, :],
+            mask=k_valid[:, None],
+            other=0.0,
+        )
+        acc += _dot(probs.to(values.dtype), values)
+        row_max = new_max
+    return row_max, row_sum, acc
+
+
 @triton.autotune(configs=_attention_configs(), key=["HEAD_DIM", "BLOCK", "DENSE", "GROUP"], prune_configs_by={"early_config_prune": _prune_configs})
 @triton.jit
 def _attention_kernel(
@@ -260,6 +350,7 @@ def _attention_kernel(
     keep_mask,
     pooled_k,
     pooled_v,
+    split_rows,
     out,
     lse,
     stride_qt,
@@ -288,12 +379,14 @@ def _attention_kernel(
     PAGE_SIZE: tl.constexpr,
     DENSE: tl.constexpr,
     MEAN_CORRECTION: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """One tile of BLOCK_M queries of one query head: online-softmax attention over the kept key
     blocks (all causal blocks when DENSE), the diagonal block masked causally, then optionally the
-    pruned fully visible blocks through their mean key and value. Writes out and natural-log lse."""
+    pruned fully visible blocks through their mean key and value. Writes out and natural-log lse.
+    With SPLIT, query blocks flagged in ``split_rows`` are left to the split-KV kernels."""
     SUB_M: tl.constexpr = BLOCK // BLOCK_M
     SUB_N: tl.constexpr = BLOCK // BLOCK_N
     # Query heads vary fastest across programs, so the heads of a KV group, which keep the same
@@ -304,19 +397,16 @@ def _attention_kernel(
     kv_head = head // GROUP
     qb = total_q_blocks - 1 - tile // SUB_M
     sub = tile % SUB_M
-    seq = tl.load(qblock_seq + qb)
-    pos = tl.load(qblock_pos + qb)
-    k_len = tl.load(seqlens_k + seq)
-    q_start = tl.load(cu_seqlens_q + seq)
-    prefix = k_len - (tl.load(cu_seqlens_q + seq + 1) - q_start)
-
-    q_pos = pos * BLOCK + sub * BLOCK_M + tl.arange(0, BLOCK_M)
-    q_valid = (q_pos >= prefix) & (q_pos < k_len)
+    seq, pos, k_len, prefix, q_pos, q_valid, q_rows = _query_tile(
+        qblock_seq, qblock_pos, cu_seqlens_q, seqlens_k, qb, sub, BLOCK, BLOCK_M
+    )
     last_row = tl.minimum(pos * BLOCK + (sub + 1) * BLOCK_M, k_len) - 1
-    if last_row >= prefix and pos * BLOCK + sub * BLOCK_M < k_len:
+    todo = (last_row >= prefix) & (pos * BLOCK + sub * BLOCK_M < k_len)
+    if SPLIT:
+        todo = todo & (tl.load(split_rows + qb) == 0)
+    if todo:
         dims = tl.arange(0, HEAD_DIM)
         cols = tl.arange(0, BLOCK_N)
-        q_rows = (q_start + q_pos - prefix).to(tl.int64)
         q_tile = tl.load(q + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=q_valid[:, None], other=0.0)
         pt_row = page_table + seq.to(tl.int64) * stride_pt
         row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -328,47 +418,14 @@ def _attention_kernel(
             n_tiles = pos * SUB_N
         else:
             n_tiles = (tl.load(counts + qb * stride_cr + kv_head) - 1) * SUB_N
-        for t in range(0, n_tiles):
-            if DENSE:
-                k_first = t * BLOCK_N
-            else:
-                block = tl.load(indices + index_row + t // SUB_N)
-                k_first = block * BLOCK + (t % SUB_N) * BLOCK_N
-            page, slot = _kv_slots(pt_row, k_first + cols, PAGE_SIZE, None)
-            keys = tl.load(k_cache + (page * stride_kp + slot * stride_ks + kv_head * stride_kh)[:, None] + dims[None, :])
-            logits = _dot(q_tile, tl.trans(keys)) * qk_scale
-            new_max = tl.maximum(row_max, tl.max(logits, axis=1))
-            probs = tl.exp2(logits - new_max[:, None])
-            rescale = tl.exp2(row_max - new_max)
-            row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-            acc = acc * rescale[:, None]
-            values = tl.load(v_cache + (page * stride_vp + slot * stride_vs + kv_head * stride_vh)[:, None] + dims[None, :])
-            acc += _dot(probs.to(values.dtype), values)
-            row_max = new_max
-
-        for k_first in range(pos * BLOCK, last_row + 1, BLOCK_N):
-            k_pos = k_first + cols
-            k_valid = k_pos < k_len
-            page, slot = _kv_slots(pt_row, k_pos, PAGE_SIZE, k_valid)
-            keys = tl.load(
-                k_cache + (page * stride_kp + slot * stride_ks + kv_head * stride_kh)[:, None] + dims[None, :],
-                mask=k_valid[:, None],
-                other=0.0,
-            )
-            logits = _dot(q_tile, tl.trans(keys)) * qk_scale
-            logits = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :], logits, float("-inf"))
-            new_max = tl.maximum(row_max, tl.max(logits, axis=1))
-            probs = tl.exp2(logits - new_max[:, None])
-            rescale = tl.exp2(row_max - new_max)
-            row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-            acc = acc * rescale[:, None]
-            values = tl.load(
-                v_cache + (page * stride_vp + slot * stride_vs + kv_head * stride_vh)[:, None] + dims[None, :],
-                mask=k_valid[:, None],
-                other=0.0,
-            )
-            acc += _dot(probs.to(values.dtype), values)
-            row_max = new_max
+        row_max, row_sum, acc = _attend_kept(
+            q_tile, k_cache, v_cache, pt_row, indices, index_row, 0, n_tiles, kv_head, row_max, row_sum, acc, qk_scale,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, HEAD_DIM, BLOCK, PAGE_SIZE, DENSE, BLOCK_N,
+        )  # fmt: skip
+        row_max, row_sum, acc = _attend_diagonal(
+            q_tile, q_pos, pos, last_row, k_len, k_cache, v_cache, pt_row, kv_head, row_max, row_sum, acc, qk_scale,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, HEAD_DIM, BLOCK, PAGE_SIZE, BLOCK_N,
+        )  # fmt: skip
 
         if MEAN_CORRECTION:
             pooled_row = seq.to(tl.int64) * stride_pb + kv_head * stride_ph
@@ -390,6 +447,141 @@ def _attention_kernel(
         acc = acc / row_sum[:, None]
         tl.store(out + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :], acc.to(out.dtype.element_ty), mask=q_valid[:, None])
         tl.store(lse + head * stride_lh + q_rows, (row_max + tl.log2(row_sum)) / 1.4426950408889634, mask=q_valid)
+
+
+@triton.jit
+def _split_attention_kernel(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cu_seqlens_q,
+    seqlens_k,
+    qblock_seq,
+    qblock_pos,
+    counts,
+    indices,
+    long_rows,
+    part_acc,
+    part_max,
+    part_sum,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_pt,
+    stride_ir,
+    stride_ih,
+    stride_cr,
+    num_long_rows,
+    blocks_per_split,
+    qk_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Split-KV for long rows: one tile of BLOCK_M queries of one head of query block
+    ``long_rows[r]``, over its kept blocks ``split * blocks_per_split ..`` (the diagonal in split 0).
+    Writes the unnormalised accumulator, row maximum (base 2) and row sum for _merge_splits_kernel."""
+    SUB_M: tl.constexpr = BLOCK // BLOCK_M
+    SUB_N: tl.constexpr = BLOCK // BLOCK_N
+    num_heads = tl.num_programs(0) // (num_long_rows * SUB_M)
+    head = tl.program_id(0) % num_heads
+    tile = tl.program_id(0) // num_heads
+    split = tl.program_id(1)
+    kv_head = head // GROUP
+    r = tile // SUB_M
+    sub = tile % SUB_M
+    qb = tl.load(long_rows + r)
+    seq, pos, k_len, prefix, q_pos, q_valid, q_rows = _query_tile(
+        qblock_seq, qblock_pos, cu_seqlens_q, seqlens_k, qb, sub, BLOCK, BLOCK_M
+    )
+    last_row = tl.minimum(pos * BLOCK + (sub + 1) * BLOCK_M, k_len) - 1
+    dims = tl.arange(0, HEAD_DIM)
+    q_tile = tl.load(q + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=q_valid[:, None], other=0.0)
+    pt_row = page_table + seq.to(tl.int64) * stride_pt
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    index_row = qb.to(tl.int64) * stride_ir + kv_head * stride_ih
+    kept = tl.load(counts + qb * stride_cr + kv_head) - 1
+    first = tl.minimum(split * blocks_per_split, kept)
+    last = tl.minimum(first + blocks_per_split, kept)
+    row_max, row_sum, acc = _attend_kept(
+        q_tile, k_cache, v_cache, pt_row, indices, index_row, first * SUB_N, last * SUB_N, kv_head, row_max, row_sum,
+        acc, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, HEAD_DIM, BLOCK, PAGE_SIZE,
+        False, BLOCK_N,
+    )  # fmt: skip
+    if split == 0:
+        row_max, row_sum, acc = _attend_diagonal(
+            q_tile, q_pos, pos, last_row, k_len, k_cache, v_cache, pt_row, kv_head, row_max, row_sum, acc, qk_scale,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, HEAD_DIM, BLOCK, PAGE_SIZE, BLOCK_N,
+        )  # fmt: skip
+    # part_*: (splits, num_long_rows * BLOCK, num_heads[, HEAD_DIM]), contiguous.
+    rows = ((split * num_long_rows + r) * BLOCK + sub * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64) * num_heads + head
+    tl.store(part_max + rows, row_max)
+    tl.store(part_sum + rows, row_sum)
+    tl.store(part_acc + rows[:, None] * HEAD_DIM + dims[None, :], acc)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc,
+    part_max,
+    part_sum,
+    long_rows,
+    qblock_seq,
+    qblock_pos,
+    cu_seqlens_q,
+    seqlens_k,
+    out,
+    lse,
+    stride_ot,
+    stride_oh,
+    stride_lh,
+    num_long_rows,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Combine the split-KV partial results of one tile of a long row into out and natural-log lse."""
+    SUB_M: tl.constexpr = BLOCK // BLOCK_M
+    num_heads = tl.num_programs(0) // (num_long_rows * SUB_M)
+    head = tl.program_id(0) % num_heads
+    tile = tl.program_id(0) // num_heads
+    r = tile // SUB_M
+    sub = tile % SUB_M
+    qb = tl.load(long_rows + r)
+    seq, pos, k_len, prefix, q_pos, q_valid, q_rows = _query_tile(
+        qblock_seq, qblock_pos, cu_seqlens_q, seqlens_k, qb, sub, BLOCK, BLOCK_M
+    )
+    dims = tl.arange(0, HEAD_DIM)
+    # Split 0 holds the diagonal, so its maximum is finite on every row that belongs to the step.
+    rows = ((r * BLOCK + sub * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)) * num_heads + head
+    row_max = tl.load(part_max + rows)
+    row_sum = tl.load(part_sum + rows)
+    acc = tl.load(part_acc + rows[:, None] * HEAD_DIM + dims[None, :])
+    stride_split = num_long_rows * BLOCK * num_heads
+    for split in range(1, num_splits):
+        split_rows = rows + split * stride_split
+        split_max = tl.load(part_max + split_rows)
+        new_max = tl.maximum(row_max, split_max)
+        keep = tl.exp2(row_max - new_max)
+        add = tl.exp2(split_max - new_max)
+        row_sum = row_sum * keep + tl.load(part_sum + split_rows) * add
+        acc = acc * keep[:, None] + tl.load(part_acc + split_rows[:, None] * HEAD_DIM + dims[None, :]) * add[:, None]
+        row_max = new_max
+    acc = acc / row_sum[:, None]
+    tl.store(out + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :], acc.to(out.dtype.element_ty), mask=q_valid[:, None])
+    tl.store(lse + head * stride_lh + q_rows, (row_max + tl.log2(row_sum)) / 1.4426950408889634, mask=q_valid)
 
 
 def pool_blocks(cache: torch.Tensor, page_table: torch.Tensor, seqlens_k: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
@@ -476,10 +668,15 @@ def block_sparse_attention(
             keep_mask = index.to_mask().to(torch.int8)  # same shape, so same strides, as indices
             pooled_k = pool_blocks(k_cache, page_table, seqlens_k, layout)
             pooled_v = pool_blocks(v_cache, page_table, seqlens_k, layout)
+    long_rows = None if dense else _long_rows_to_split(layout, num_heads, q.device)
+    split_flags = placeholder
+    if long_rows is not None:
+        split_flags = torch.zeros(layout.total_q_blocks, dtype=torch.int8, device=q.device)
+        split_flags[long_rows.long()] = 1
     grid = lambda meta: (layout.total_q_blocks * (layout.block_size // meta["BLOCK_M"]) * num_heads,)  # noqa: E731
     _attention_kernel[grid](
         q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout.qblock_seq, layout.qblock_pos,
-        counts, indices, keep_mask, pooled_k, pooled_v, out, lse,
+        counts, indices, keep_mask, pooled_k, pooled_v, split_flags, out, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0),
@@ -487,6 +684,49 @@ def block_sparse_attention(
         pooled_k.stride(0), pooled_k.stride(1), pooled_k.stride(2),
         layout.total_q_blocks, scale * LOG2E,
         GROUP=num_heads // num_kv, HEAD_DIM=head_dim, BLOCK=layout.block_size, PAGE_SIZE=k_cache.shape[1],
-        DENSE=dense, MEAN_CORRECTION=mean_correction and not dense,
+        DENSE=dense, MEAN_CORRECTION=mean_correction and not dense, SPLIT=long_rows is not None,
     )
+    if long_rows is not None:
+        _split_long_rows(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout, index, long_rows, scale, out, lse)
     return out, lse
+
+
+def _long_rows_to_split(layout: BatchLayout, num_heads: int, device: torch.device) -> torch.Tensor | None:
+    """The layout's long dense rows when splitting them pays: while they alone would not fill the
+    GPU's multiprocessors (any count on the interpreter), None otherwise or when there are none."""
+    n = layout.long_rows.numel()
+    if n == 0:
+        return None
+    if device.type == "cuda" and n * num_heads >= torch.cuda.get_device_properties(device).multi_processor_count:
+        return None
+    return layout.long_rows
+
+
+def _split_long_rows(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout, index, long_rows, scale,
+                     out, lse) -> None:  # fmt: skip
+    """Split-KV attention of the long rows: their kept blocks in up to MAX_SPLITS ranges of at least
+    MIN_SPLIT_BLOCKS blocks, one program per range, then a merge into out and lse."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    n_rows, block = long_rows.numel(), layout.block_size
+    splits = max(min(MAX_SPLITS, layout.long_row_blocks // MIN_SPLIT_BLOCKS), 1)
+    per_split = -(-layout.long_row_blocks // splits)
+    part_acc = torch.empty(splits, n_rows * block, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    part_max = torch.empty(splits, n_rows * block, num_heads, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    tiles = n_rows * (block // SPLIT_BLOCK_M) * num_heads
+    counts, indices = index.counts.contiguous(), index.indices.contiguous()
+    _split_attention_kernel[(tiles, splits)](
+        q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout.qblock_seq, layout.qblock_pos,
+        counts, indices, long_rows, part_acc, part_max, part_sum,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
+        indices.stride(0), indices.stride(1), counts.stride(0),
+        n_rows, per_split, scale * LOG2E,
+        GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK=block, PAGE_SIZE=k_cache.shape[1],
+        BLOCK_M=SPLIT_BLOCK_M, BLOCK_N=SPLIT_BLOCK_N, num_warps=4, num_stages=1 if INTERPRET else 2,
+    )  # fmt: skip
+    _merge_splits_kernel[(tiles,)](
+        part_acc, part_max, part_sum, long_rows, layout.qblock_seq, layout.qblock_pos, cu_seqlens_q, seqlens_k,
+        out, lse, out.stride(0), out.stride(1), lse.stride(0), n_rows, splits,
+        HEAD_DIM=head_dim, BLOCK=block, BLOCK_M=SPLIT_BLOCK_M, num_warps=4,
+    )  # fmt: skip
