@@ -4,6 +4,7 @@ import pytest
 
 from prefill_accel.scheduling import (
     STARVATION_STEPS,
+    PartialPrefills,
     PrefillTime,
     StepTimeModel,
     aged_remaining,
@@ -40,6 +41,22 @@ def test_water_level_shares_tokens_and_seconds_max_min_fairly():
     level = water_level([0.001, 0.050, 0.020], 0.012)
     assert level == pytest.approx(0.0055)
     assert sum(min(d, level) for d in [0.001, 0.050, 0.020]) == pytest.approx(0.012)
+
+
+def test_partial_prefills_admit_share_and_keep_long_slots():
+    # Requests are their remaining prefill tokens here; two slots, one of them for a long request.
+    limits = PartialPrefills(max_partial=2, max_long=1, long_threshold=1000, remaining=lambda r: r)
+    level, seconds = limits.shares(prefilling=[5000], waiting=[8000, 300, 200], tokens=2048)
+    # Expected: the running 5000 (asks for 1000, the threshold) and the 300 (the 8000 finds the long
+    # slot taken and is passed over): 1000 + 300 fit in 2048, so the level is the largest demand.
+    assert (level, seconds) == (1000, None)
+    assert limits.admission(8000) == PartialPrefills.SKIP
+    assert limits.admission(300) == PartialPrefills.ADMIT
+    limits.admitted(300)
+    assert limits.admission(200) == PartialPrefills.STOP
+    level, seconds = limits.shares([5000], [300], tokens=512, chunk_seconds=lambda r, n: n * 1e-5, seconds=0.004)
+    assert level == 256 and seconds == pytest.approx(0.002)
+    assert PartialPrefills(1, 1, 0, remaining=lambda r: r).admission(8000) == PartialPrefills.ADMIT  # limits off
 
 
 def test_attention_pairs_of_a_chunk_after_a_prefix():

@@ -3,7 +3,8 @@
 Pure Python, no engine types: the overlay modules of each engine (vLLM 0.26.0 V1, vLLM 0.6.3 V0)
 adapt their requests to these functions.
 
-* :func:`water_level`: the max-min fair share of a step's prefill budget (tokens or seconds).
+* :func:`water_level`: the max-min fair share of a step's prefill budget (tokens or seconds), and
+  :class:`PartialPrefills`, the partial-prefill limits (admission, long slots, the step's shares).
 * :func:`attention_pairs` and :class:`StepTimeModel`: the online model of a step's wall time,
   ``c0 + c1 * tokens + c2 * attention_pairs + c3 * prefill_keys``, and :class:`PrefillTime`, the
   step's prefill time under ``--max-step-latency-ms`` spent chunk by chunk.
@@ -14,6 +15,10 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+Request = TypeVar("Request")
 
 # Weight of older steps per new step: ~20 steps of memory, quick enough to follow a prefill
 # whose context grows every step, long enough to average out step-to-step noise.
@@ -39,6 +44,78 @@ def water_level(demands: list, budget):
         left -= demand
         count -= 1
     return max(demands)
+
+
+class PartialPrefills:
+    """``--max-num-partial-prefills N`` (on when N > 1), ``--max-long-partial-prefills`` and
+    ``--long-prefill-token-threshold`` for one step, over an engine's requests through the number
+    of prefill tokens each has left (``remaining``).
+
+    Admission: at most N requests prefill at once (running chunks plus those admitted this step),
+    at most ``max_long`` of them long (more than ``long_threshold`` tokens left); a long request
+    that finds the long slots taken is skipped so a shorter one behind it starts. Sharing: the
+    step's prefill tokens (and, under a latency target, its prefill time) are split max-min fairly
+    over the prefills expected this step, each asking for at most ``long_threshold`` tokens.
+    """
+
+    ADMIT, SKIP, STOP = "admit", "skip", "stop"
+
+    def __init__(self, max_partial: int, max_long: int, long_threshold: int,
+                 remaining: Callable[[Request], int]) -> None:  # fmt: skip
+        self.max_partial, self.max_long, self.long_threshold = max_partial, max_long, long_threshold
+        self.remaining = remaining
+        self.enabled = max_partial > 1
+        self._count = 0
+        self._long_count = 0
+
+    def is_long(self, request: Request) -> bool:
+        return 0 < self.long_threshold < self.remaining(request)
+
+    def demand(self, request: Request) -> int:
+        """Tokens the request asks of a step: what it has left, at most the long threshold."""
+        remaining = self.remaining(request)
+        return self.long_threshold if 0 < self.long_threshold < remaining else remaining
+
+    def shares(self, prefilling: list[Request], waiting: Iterable[Request], tokens: int,
+               chunk_seconds: Callable[[Request, int], float] | None = None,
+               seconds: float = 0.0) -> tuple[int, float | None]:  # fmt: skip
+        """Start a step with these running prefills; return the water levels of its tokens and (with
+        ``chunk_seconds``) of its ``seconds`` over the prefills expected this step: the running ones
+        and the waiting ones, in queue order, that admission would take."""
+        self._count = len(prefilling)
+        self._long_count = sum(self.is_long(r) for r in prefilling)
+        expected = list(prefilling)
+        free, free_long = self.max_partial - self._count, self.max_long - self._long_count
+        for request in waiting:
+            if free <= 0:
+                break
+            if self.is_long(request):
+                if free_long <= 0:
+                    continue
+                free_long -= 1
+            free -= 1
+            expected.append(request)
+        demands = [self.demand(r) for r in expected]
+        level = water_level(demands, tokens)
+        if chunk_seconds is None:
+            return level, None
+        return level, water_level([chunk_seconds(r, min(d, level)) for r, d in zip(expected, demands)], seconds)
+
+    def admission(self, request: Request) -> str:
+        """ADMIT, SKIP (a long request while the long slots are taken) or STOP (no slot left)."""
+        if not self.enabled:
+            return self.ADMIT
+        if self._count >= self.max_partial:
+            return self.STOP
+        if self.is_long(request) and self._long_count >= self.max_long:
+            return self.SKIP
+        return self.ADMIT
+
+    def admitted(self, request: Request) -> None:
+        """Count a request taken from waiting this step."""
+        if self.enabled:
+            self._count += 1
+            self._long_count += self.is_long(request)
 
 
 def attention_pairs(num_computed_tokens: int, num_new_tokens: int) -> int:

@@ -23,7 +23,7 @@ sequence groups to it.
 
 from typing import Iterable, Optional
 
-from prefill_accel.scheduling import water_level
+from prefill_accel.scheduling import PartialPrefills
 
 from vllm.config import SchedulerConfig
 from vllm.core.step_time import StepTimeBudget
@@ -42,29 +42,24 @@ class PrefillBudget:
     """Call `begin_step` once per scheduling step, `admission` before taking a waiting group,
     `cap` on every prefill chunk's size and `consume` once the chunk is scheduled."""
 
-    ADMIT, SKIP, STOP = "admit", "skip", "stop"
+    ADMIT, SKIP, STOP = PartialPrefills.ADMIT, PartialPrefills.SKIP, PartialPrefills.STOP
 
     def __init__(self, scheduler_config: SchedulerConfig,
                  block_size: int) -> None:
-        self.max_partial = scheduler_config.max_num_partial_prefills
-        self.max_long_partial = scheduler_config.max_long_partial_prefills
+        self.limits = PartialPrefills(
+            scheduler_config.max_num_partial_prefills,
+            scheduler_config.max_long_partial_prefills,
+            scheduler_config.long_prefill_token_threshold,
+            remaining_prefill_tokens)
         self.long_threshold = scheduler_config.long_prefill_token_threshold
-        self.limits_enabled = self.max_partial > 1
         self.block_size = block_size
         self._level: Optional[int] = None
         self._limiter: Optional[StepTimeBudget] = None
         self._seconds_level: Optional[float] = None
-        self._num_partial = 0
-        self._num_long_partial = 0
 
-    def is_long(self, seq_group: SequenceGroup) -> bool:
-        return 0 < self.long_threshold < remaining_prefill_tokens(seq_group)
-
-    def _chunk_demand(self, seq_group: SequenceGroup) -> int:
-        remaining = remaining_prefill_tokens(seq_group)
-        if 0 < self.long_threshold < remaining:
-            return self.long_threshold
-        return remaining
+    @property
+    def limits_enabled(self) -> bool:
+        return self.limits.enabled
 
     def begin_step(self,
                    running: Iterable[SequenceGroup],
@@ -85,41 +80,15 @@ class PrefillBudget:
                 prefilling.append(seq_group)
             else:
                 decode_tokens += seq_group.num_seqs(status=SequenceStatus.RUNNING)
-        self._num_partial = len(prefilling)
-        self._num_long_partial = sum(self.is_long(g) for g in prefilling)
-        # The waiting groups this step would admit, in queue order, to size the shares.
-        expected = list(prefilling)
-        free = self.max_partial - self._num_partial
-        free_long = self.max_long_partial - self._num_long_partial
-        for seq_group in waiting:
-            if free <= 0:
-                break
-            if self.is_long(seq_group):
-                if free_long <= 0:
-                    continue
-                free_long -= 1
-            free -= 1
-            expected.append(seq_group)
-        demands = [self._chunk_demand(g) for g in expected]
-        self._level = water_level(demands, max(token_budget - decode_tokens, 0))
-        if self._limiter is not None:
-            seconds = [
-                self._limiter.chunk_seconds(g, min(d, self._level))
-                for g, d in zip(expected, demands)
-            ]
-            self._seconds_level = water_level(
-                seconds, max(self._limiter.seconds_left, 0.0))
+        self._level, self._seconds_level = self.limits.shares(
+            prefilling, waiting, max(token_budget - decode_tokens, 0),
+            None if self._limiter is None else self._limiter.chunk_seconds,
+            0.0 if self._limiter is None else max(self._limiter.seconds_left,
+                                                  0.0))
 
     def admission(self, seq_group: SequenceGroup) -> str:
         """ADMIT, SKIP (a long group while the long slots are taken) or STOP (no slot left)."""
-        if not self.limits_enabled:
-            return self.ADMIT
-        if self._num_partial >= self.max_partial:
-            return self.STOP
-        if self.is_long(seq_group) and \
-                self._num_long_partial >= self.max_long_partial:
-            return self.SKIP
-        return self.ADMIT
+        return self.limits.admission(seq_group)
 
     def cap(self, seq_group: SequenceGroup, num_new_tokens: int,
             aligned: bool) -> int:
@@ -144,6 +113,5 @@ class PrefillBudget:
         """Record a scheduled prefill chunk; `admitted` for a group taken from waiting."""
         if self._limiter is not None:
             self._limiter.consume(seq_group, num_tokens)
-        if admitted and self.limits_enabled:
-            self._num_partial += 1
-            self._num_long_partial += self.is_long(seq_group)
+        if admitted:
+            self.limits.admitted(seq_group)

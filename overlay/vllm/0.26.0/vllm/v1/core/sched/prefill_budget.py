@@ -20,12 +20,13 @@ Limits apply when `max_num_partial_prefills > 1` (as in V0). In every mode the o
 enforces the step's total prefill budget given to `begin_step` (the scheduler passes what is
 left after running decodes) and, with a step latency target, the step's prefill time
 (`step_time.py`): each chunk is charged its own cost, and with limits on, the time is shared
-max-min fairly like the tokens, so a long prompt's chunk cannot take it all either.
+max-min fairly like the tokens, so a long prompt's chunk cannot take it all either. The policy is
+the runtime package's (`prefill_accel.scheduling.PartialPrefills`, shared with the V0 series).
 """
 
 from collections.abc import Iterable
 
-from prefill_accel.scheduling import water_level
+from prefill_accel.scheduling import PartialPrefills
 
 from vllm.config import SchedulerConfig
 from vllm.v1.core.sched.step_time import StepTimeBudget
@@ -45,28 +46,23 @@ class PrefillBudget:
     `cap` on every prefill chunk's size and `consume` once the chunk is scheduled.
     """
 
-    ADMIT, SKIP, STOP = "admit", "skip", "stop"
+    ADMIT, SKIP, STOP = PartialPrefills.ADMIT, PartialPrefills.SKIP, PartialPrefills.STOP
 
     def __init__(self, scheduler_config: SchedulerConfig) -> None:
-        self.max_partial = scheduler_config.max_num_partial_prefills
-        self.max_long_partial = scheduler_config.max_long_partial_prefills
-        self.long_threshold = scheduler_config.long_prefill_token_threshold
-        self.limits_enabled = self.max_partial > 1
+        self.limits = PartialPrefills(
+            scheduler_config.max_num_partial_prefills,
+            scheduler_config.max_long_partial_prefills,
+            scheduler_config.long_prefill_token_threshold,
+            remaining_prefill_tokens,
+        )
         self._tokens_left = 0
         self._level: int | None = None
         self._limiter: StepTimeBudget | None = None
         self._seconds_level: float | None = None
-        self._num_partial = 0
-        self._num_long_partial = 0
 
-    def is_long(self, request: Request) -> bool:
-        return 0 < self.long_threshold < remaining_prefill_tokens(request)
-
-    def _chunk_demand(self, request: Request) -> int:
-        remaining = remaining_prefill_tokens(request)
-        if 0 < self.long_threshold < remaining:
-            return self.long_threshold
-        return remaining
+    @property
+    def limits_enabled(self) -> bool:
+        return self.limits.enabled
 
     def begin_step(
         self,
@@ -83,41 +79,21 @@ class PrefillBudget:
         self._seconds_level = None
         if not self.limits_enabled:
             return
-        prefilling = [r for r in running if r.is_prefill_chunk]
-        self._num_partial = len(prefilling)
-        self._num_long_partial = sum(self.is_long(r) for r in prefilling)
-        # The waiting requests this step would admit, in queue order, to size the shares.
-        expected = list(prefilling)
-        free = self.max_partial - self._num_partial
-        free_long = self.max_long_partial - self._num_long_partial
-        for queue in waiting_queues:
-            for request in queue:
-                if free <= 0:
-                    break
-                if self.is_long(request):
-                    if free_long <= 0:
-                        continue
-                    free_long -= 1
-                free -= 1
-                expected.append(request)
-        demands = [self._chunk_demand(r) for r in expected]
-        self._level = water_level(demands, self._tokens_left)
-        if self._limiter is not None:
-            seconds = [self._limiter.chunk_seconds(r, min(d, self._level)) for r, d in zip(expected, demands)]
-            self._seconds_level = water_level(seconds, max(self._limiter.seconds_left, 0.0))
+        waiting = (request for queue in waiting_queues for request in queue)
+        self._level, self._seconds_level = self.limits.shares(
+            [r for r in running if r.is_prefill_chunk],
+            waiting,
+            self._tokens_left,
+            None if self._limiter is None else self._limiter.chunk_seconds,
+            0.0 if self._limiter is None else max(self._limiter.seconds_left, 0.0),
+        )
 
     def admission(self, request: Request) -> str:
         """ADMIT, SKIP (a long request while the long slots are taken) or STOP (no slot, or
         no prefill tokens left in this step)."""
         if self._tokens_left <= 0:
             return self.STOP
-        if not self.limits_enabled:
-            return self.ADMIT
-        if self._num_partial >= self.max_partial:
-            return self.STOP
-        if self.is_long(request) and self._num_long_partial >= self.max_long_partial:
-            return self.SKIP
-        return self.ADMIT
+        return self.limits.admission(request)
 
     def cap(self, request: Request, num_new_tokens: int) -> int:
         """The prefill chunk size allowed for `request`, which asks for `num_new_tokens`."""
@@ -133,6 +109,5 @@ class PrefillBudget:
         self._tokens_left = max(self._tokens_left - num_tokens, 0)
         if self._limiter is not None:
             self._limiter.consume(request, num_tokens)
-        if admitted and self.limits_enabled:
-            self._num_partial += 1
-            self._num_long_partial += self.is_long(request)
+        if admitted:
+            self.limits.admitted(request)
