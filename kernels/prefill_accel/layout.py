@@ -41,6 +41,8 @@ class BatchLayout:
     """The configuration the layout was built for (its dense blocks depend on it)."""
     long_rows: torch.Tensor
     """(n,) int32: the dense query blocks with at least `LONG_ROW_BLOCKS` key blocks before their diagonal."""
+    long_row_flags: torch.Tensor
+    """(total_q_blocks,) int8: 1 on the query blocks of `long_rows` (built here, once per step)."""
     long_row_blocks: int
     """The most key blocks before the diagonal among `long_rows` (0 when there are none)."""
 
@@ -97,7 +99,8 @@ class BatchLayout:
                 positions.append(pos)
                 dense.append(1 if seq_dense or pos >= last - config.last_query_blocks else 0)
             starts.append(starts[-1] + n)
-        long_rows = [i for i, (p, d) in enumerate(zip(positions, dense)) if d and p >= LONG_ROW_BLOCKS]
+        long_flags = [int(d and p >= LONG_ROW_BLOCKS) for p, d in zip(positions, dense)]
+        long_rows = [i for i, flag in enumerate(long_flags) if flag]
 
         def as_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
             host = torch.tensor(values, dtype=dtype)
@@ -116,6 +119,7 @@ class BatchLayout:
             all_dense=all(dense),
             config=config,
             long_rows=as_tensor(long_rows, torch.int32),
+            long_row_flags=as_tensor(long_flags, torch.int8),
             long_row_blocks=max((positions[i] for i in long_rows), default=0),
         )
 

@@ -256,7 +256,8 @@ def _select_kernel(
 @triton.jit
 def _query_tile(qblock_seq, qblock_pos, cu_seqlens_q, seqlens_k, qb, sub, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
     """Where tile ``sub`` of query block ``qb`` lies: its sequence, block position, key length, the
-    queries' absolute positions and which of them belong to this step, and their packed rows."""
+    queries' absolute positions and which of them belong to this step, their packed rows, and the
+    position of its last query (clipped to the sequence)."""
     seq = tl.load(qblock_seq + qb)
     pos = tl.load(qblock_pos + qb)
     k_len = tl.load(seqlens_k + seq)
@@ -265,7 +266,8 @@ def _query_tile(qblock_seq, qblock_pos, cu_seqlens_q, seqlens_k, qb, sub, BLOCK:
     q_pos = pos * BLOCK + sub * BLOCK_M + tl.arange(0, BLOCK_M)
     q_valid = (q_pos >= prefix) & (q_pos < k_len)
     q_rows = (q_start + q_pos - prefix).to(tl.int64)
-    return seq, pos, k_len, prefix, q_pos, q_valid, q_rows
+    last_row = tl.minimum(pos * BLOCK + (sub + 1) * BLOCK_M, k_len) - 1
+    return seq, pos, k_len, prefix, q_pos, q_valid, q_rows, last_row
 
 
 @triton.jit
@@ -397,10 +399,9 @@ def _attention_kernel(
     kv_head = head // GROUP
     qb = total_q_blocks - 1 - tile // SUB_M
     sub = tile % SUB_M
-    seq, pos, k_len, prefix, q_pos, q_valid, q_rows = _query_tile(
+    seq, pos, k_len, prefix, q_pos, q_valid, q_rows, last_row = _query_tile(
         qblock_seq, qblock_pos, cu_seqlens_q, seqlens_k, qb, sub, BLOCK, BLOCK_M
     )
-    last_row = tl.minimum(pos * BLOCK + (sub + 1) * BLOCK_M, k_len) - 1
     todo = (last_row >= prefix) & (pos * BLOCK + sub * BLOCK_M < k_len)
     if SPLIT:
         todo = todo & (tl.load(split_rows + qb) == 0)
@@ -500,10 +501,9 @@ def _split_attention_kernel(
     r = tile // SUB_M
     sub = tile % SUB_M
     qb = tl.load(long_rows + r)
-    seq, pos, k_len, prefix, q_pos, q_valid, q_rows = _query_tile(
+    seq, pos, k_len, prefix, q_pos, q_valid, q_rows, last_row = _query_tile(
         qblock_seq, qblock_pos, cu_seqlens_q, seqlens_k, qb, sub, BLOCK, BLOCK_M
     )
-    last_row = tl.minimum(pos * BLOCK + (sub + 1) * BLOCK_M, k_len) - 1
     dims = tl.arange(0, HEAD_DIM)
     q_tile = tl.load(q + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=q_valid[:, None], other=0.0)
     pt_row = page_table + seq.to(tl.int64) * stride_pt
@@ -560,7 +560,7 @@ def _merge_splits_kernel(
     r = tile // SUB_M
     sub = tile % SUB_M
     qb = tl.load(long_rows + r)
-    seq, pos, k_len, prefix, q_pos, q_valid, q_rows = _query_tile(
+    seq, pos, k_len, prefix, q_pos, q_valid, q_rows, _ = _query_tile(
         qblock_seq, qblock_pos, cu_seqlens_q, seqlens_k, qb, sub, BLOCK, BLOCK_M
     )
     dims = tl.arange(0, HEAD_DIM)
@@ -669,10 +669,7 @@ def block_sparse_attention(
             pooled_k = pool_blocks(k_cache, page_table, seqlens_k, layout)
             pooled_v = pool_blocks(v_cache, page_table, seqlens_k, layout)
     long_rows = None if dense else _long_rows_to_split(layout, num_heads, q.device)
-    split_flags = placeholder
-    if long_rows is not None:
-        split_flags = torch.zeros(layout.total_q_blocks, dtype=torch.int8, device=q.device)
-        split_flags[long_rows.long()] = 1
+    split_flags = placeholder if long_rows is None else layout.long_row_flags
     grid = lambda meta: (layout.total_q_blocks * (layout.block_size // meta["BLOCK_M"]) * num_heads,)  # noqa: E731
     _attention_kernel[grid](
         q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout.qblock_seq, layout.qblock_pos,
