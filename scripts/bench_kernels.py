@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
@@ -91,6 +92,28 @@ def sdpa(q, k, v, backend):
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
 
     return run
+
+
+# Tile shapes (BLOCK_M, BLOCK_N, num_warps, num_stages) timed by --tiles: the autotuned list and neighbours.
+TILE_CANDIDATES = [
+    (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 4, 4),
+    (128, 128, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 32, 4, 2), (64, 32, 4, 2),
+]  # fmt: skip
+
+
+def tile_sweep(kernel_args, layout, scale, out, flops, cudnn_ms, reps) -> list[dict]:
+    """Our dense-mode kernel at each candidate tile shape (shapes that fail to compile are skipped)."""
+    rows = []
+    for block_m, block_n, warps, stages in TILE_CANDIDATES:
+        tile = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+        run = lambda: triton_kernels.block_sparse_attention(*kernel_args, layout, None, scale, False, out, tile=tile)  # noqa: B023, E731
+        try:
+            ms = cuda_time(run, reps)
+        except Exception as error:  # out of shared memory or registers for this head size
+            rows.append(dict(tile=[block_m, block_n, warps, stages], error=str(error).splitlines()[0][:120]))
+            continue
+        rows.append(dict(tile=[block_m, block_n, warps, stages], ms=ms, tflops=flops / ms / 1e9, of_cudnn=cudnn_ms / ms))
+    return rows
 
 
 def threshold_for_density(args, target: float, base: SparsePrefillConfig) -> tuple[float, float]:
@@ -175,6 +198,9 @@ def bench_length(length, args, results):
     scale = 1.0 / math.sqrt(head_dim)
     triton_dense = lambda: triton_kernels.block_sparse_attention(*kernel_args, layout, None, scale, False, out)  # noqa: E731
     row["ours_dense_ms"] = cuda_time(triton_dense, reps)
+    row["autotuned_tile"] = str(getattr(triton_kernels._attention_kernel, "best_config", None))
+    if args.tiles:
+        row["tiles"] = tile_sweep(kernel_args, layout, scale, out, flops, row["cudnn_ms"], reps)
     row["public_default_ms"] = cuda_time(lambda: sparse_prefill_attention(*kernel_args, out=out), reps)
     dense_out = sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION)()[0].transpose(0, 1).float()
     ours_dense = triton_dense()[0].clone()
@@ -191,15 +217,16 @@ def bench_length(length, args, results):
         select = cuda_time(lambda: select_blocks(*select_args, config=config), reps)
         index = select_blocks(*select_args, config=config)
         attend = cuda_time(lambda: block_sparse_attention(*kernel_args, index, out=out), reps)
+        unsplit = lambda: triton_kernels.block_sparse_attention(*kernel_args, index.layout, index, scale, False, out, split_kv=False)  # noqa: B023, E731
+        attend_unsplit = cuda_time(unsplit, reps)
         sparse_out, _ = sparse_prefill_attention(*kernel_args, config=config)
         err = ((sparse_out.float() - dense_out).norm() / dense_out.norm()).item()
         row["sparse"].append(
             dict(target=target, threshold=threshold, density=density, total_ms=total, select_ms=select,
-                 attention_ms=attend, rel_err=err, speedup_cudnn=row["cudnn_ms"] / total, speedup_fa2=row["fa2_ms"] / total)
+                 attention_ms=attend, attention_unsplit_ms=attend_unsplit,
+                 long_rows=index.layout.long_rows.numel(), rel_err=err, speedup_cudnn=row["cudnn_ms"] / total, speedup_fa2=row["fa2_ms"] / total)
         )
     results.append(row)
-    del q, k, v, k_cache, v_cache, dense_out, ours_dense, out
-    torch.cuda.empty_cache()
     return row
 
 
@@ -240,6 +267,7 @@ def main() -> int:
     parser.add_argument("--query-stride", type=int, default=SparsePrefillConfig().query_stride)
     parser.add_argument("--real", nargs="*", default=[], help="captured q/k/v .pt files to time and check")
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--tiles", action="store_true", help="also time the dense-mode kernel at each candidate tile shape")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.densities = [float(x) for x in args.densities.split(",")]
@@ -254,13 +282,14 @@ def main() -> int:
     for length in (int(x) for x in args.lengths.split(",")):
         t0 = time.time()
         row = bench_length(length, args, results)
+        torch.cuda.empty_cache()  # the length's tensors were freed on return
         print(json.dumps(row), f"# {time.time() - t0:.0f}s", flush=True)
     report["random"] = results
     report["real"] = [bench_real(Path(p), SparsePrefillConfig(), args.repeats, args.page_size) for p in args.real]
     for row in report["real"]:
         print(json.dumps(row), flush=True)
-    print("\n| N | cuDNN ms (TFLOP/s) | FA2 ms (TFLOP/s) | ours dense ms (TFLOP/s, % cuDNN) | default config ms | density | sparse ms | select ms | vs cuDNN | vs FA2 | rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| N | cuDNN ms (TFLOP/s) | FA2 ms (TFLOP/s) | ours dense ms (TFLOP/s, % cuDNN) | default config ms | density | sparse ms | select ms | attention ms split / unsplit | vs cuDNN | vs FA2 | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in results:
         head = (
             f"| {row['length'] // 1024}K | {row['cudnn_ms']:.2f} ({row['cudnn_tflops']:.0f}) | {row['fa2_ms']:.2f} ({row['fa2_tflops']:.0f}) "
@@ -270,8 +299,19 @@ def main() -> int:
         for s in row["sparse"]:
             print(
                 head + f"| {100 * s['density']:.1f}% | {s['total_ms']:.2f} | {s['select_ms']:.2f} "
+                f"| {s['attention_ms']:.2f} / {s['attention_unsplit_ms']:.2f} "
                 f"| {s['speedup_cudnn']:.1f}x | {s['speedup_fa2']:.1f}x | {s['rel_err']:.1e} |"
             )
+    for row in results:
+        if "tiles" in row:
+            print(f"\nDense-mode tiles at {row['length'] // 1024}K (autotuned: {row['autotuned_tile']}); cuDNN {row['cudnn_ms']:.2f} ms")
+            print("| BLOCK_M, BLOCK_N, warps, stages | ms | TFLOP/s | % cuDNN |\n|---|---|---|---|")
+            for t in row["tiles"]:
+                shape = ", ".join(map(str, t["tile"]))
+                if "error" in t:
+                    print(f"| {shape} | - | - | {t['error']} |")
+                else:
+                    print(f"| {shape} | {t['ms']:.2f} | {t['tflops']:.0f} | {100 * t['of_cudnn']:.0f}% |")
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
     return 0

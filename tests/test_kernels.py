@@ -92,6 +92,27 @@ def test_long_dense_rows_split_over_the_keys_match_the_reference(monkeypatch, pa
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tile", [(32, 32, 4), (64, 16, 2)], ids=["32x32", "64x16"])
+def test_explicit_tile_without_split_matches_the_reference(monkeypatch, tile):
+    """The benchmark hooks: one given tile shape instead of the autotuned one, long rows unsplit."""
+    import triton
+
+    monkeypatch.setattr(layout_module, "LONG_ROW_BLOCKS", 2)
+    batch = make_batch(q_lens=[300, 70], k_lens=[300, 400], device=DEVICE)
+    config = sparse_config(last_query_blocks=1)
+    index = select_blocks(*batch.search_args, config=config)
+    assert index.layout.long_rows.numel() == 2, "rows that would split, left to one program each"
+    block_m, block_n, warps = tile
+    out, lse = triton_kernels.block_sparse_attention(
+        *batch.args, index.layout, index, batch.q.shape[2] ** -0.5, False, poisoned_out(batch.q),
+        tile=triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=1), split_kv=False,
+    )  # fmt: skip
+    want, want_lse = reference.block_masked_attention(*batch.args, index)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert rel_err(out, want) < TOL[torch.float16]
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
+
+
 def test_selection_matches_reference_search():
     batch = make_batch(**MIXED, num_heads=8, num_kv_heads=2, dtype=torch.float16, device=DEVICE)
     configs = (
@@ -236,6 +257,8 @@ def test_bad_inputs_raise_clear_errors():
         sparse_prefill_attention(q, k, v, table, cu, lens, out=torch.empty(1))
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         sparse_prefill_attention(q, k, v, table, cu + 1, lens)
+    with pytest.raises(ValueError, match="softmax_scale must be a positive"):
+        sparse_prefill_attention(q, k, v, table, cu, lens, softmax_scale=-0.125)
 
 
 @pytest.mark.parametrize(

@@ -10,13 +10,14 @@ import torch
 
 from . import reference, stats
 from .config import SparsePrefillConfig
-from .layout import BatchLayout, BlockIndex
+from .layout import BatchLayout, BlockIndex, causal_block_count
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 _warned: set[str] = set()
 _cudnn_refused = False  # set once cuDNN attention raised: later dense batches use the kernel directly
+_cudnn_gqa: bool | None = None  # whether cuDNN takes fewer KV than query heads; None until tried
 
 
 def _warn_once(reason: str) -> None:
@@ -67,8 +68,12 @@ def _check_pages(longest: int, page_size: int, page_table: torch.Tensor) -> None
 
 
 def _host_lengths(cu_seqlens_q, seqlens_k, page_table, page_size: int, total_q: int):
-    """The two length tensors on the host (one read from the device each), checked."""
-    cu_host, k_host = cu_seqlens_q.cpu(), seqlens_k.cpu()
+    """The two length tensors on the host (one read from the device for both), checked."""
+    if cu_seqlens_q.device == seqlens_k.device:
+        both = torch.cat((cu_seqlens_q.long(), seqlens_k.long())).cpu()
+        cu_host, k_host = both[: cu_seqlens_q.shape[0]], both[cu_seqlens_q.shape[0] :]
+    else:
+        cu_host, k_host = cu_seqlens_q.cpu(), seqlens_k.cpu()
     cu_q = cu_host.tolist()
     if cu_q[0] != 0 or cu_q[-1] != total_q or any(b < a for a, b in zip(cu_q, cu_q[1:])):
         raise ValueError(f"cu_seqlens_q must rise from 0 to total_q={total_q}, got {cu_q}")
@@ -114,7 +119,11 @@ def _check_layout(layout: BatchLayout, q, k_cache, page_table, seqlens_k, config
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
-    return 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(q.shape[2])
+    if not softmax_scale > 0:  # the kernels take the row maximum of unscaled scores
+        raise ValueError(f"softmax_scale must be a positive number, got {softmax_scale!r}")
+    return float(softmax_scale)
 
 
 def _dense_fallback(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, scale, out):
@@ -125,31 +134,49 @@ def _dense_fallback(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, sc
     return out, lse
 
 
-def _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, layout, scale, out):
-    """Compute an all-dense batch of fresh prefills with cuDNN attention, the fastest dense kernel on
-    Hopper, so the public function is never slower than dense attention below ``min_q_len``.
+def _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, q_lens, scale, out):
+    """Compute a batch of fresh prefills (no prefix) densely with cuDNN attention, the fastest dense
+    kernel on Hopper, so the public function is never much slower than dense attention below
+    ``min_q_len`` (cuDNN's causal mask is top-left aligned, hence fresh sequences only).
 
-    Only fresh sequences qualify (cuDNN's causal mask is top-left aligned). Returns (out, lse), or
-    None when the batch does not qualify or cuDNN refuses the inputs.
+    Each sequence's K/V pages are gathered once; cuDNN takes the GQA groups natively where it can
+    (else the KV heads are expanded, decided once). Returns (out, lse), or None when cuDNN refuses.
     """
-    global _cudnn_refused
-    if not q.is_cuda or any(p != 0 for p in layout.prefix_lens) or _cudnn_refused:
-        return None
+    global _cudnn_refused, _cudnn_gqa
     group = q.shape[1] // k_cache.shape[2]
-    result_out = torch.empty_like(q) if out is None else out
+    to_bhld = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731
+    if len(q_lens) == 1 and out is None:
+        result_out = None  # cuDNN lays its output out like q: a single sequence needs no copy
+    else:
+        result_out = torch.empty_like(q) if out is None else out
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     start = 0
     try:
-        for seq, length in enumerate(layout.q_lens):
+        for seq, length in enumerate(q_lens):
             if length:
                 rows = slice(start, start + length)
-                k = reference.gather_kv(k_cache, page_table, seq, length).repeat_interleave(group, 1)
-                v = reference.gather_kv(v_cache, page_table, seq, length).repeat_interleave(group, 1)
-                to_bhld = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731
-                o, seq_lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                    to_bhld(q[rows]), to_bhld(k), to_bhld(v), None, True, 0.0, True, False, scale=scale
-                )[:2]
-                result_out[rows] = o[0].transpose(0, 1)
+                k = reference.gather_kv(k_cache, page_table, seq, length)
+                v = reference.gather_kv(v_cache, page_table, seq, length)
+                o = seq_lse = None
+                if _cudnn_gqa is not False and group > 1:
+                    try:
+                        o, seq_lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                            to_bhld(q[rows]), to_bhld(k), to_bhld(v), None, True, 0.0, True, False, scale=scale
+                        )[:2]
+                        _cudnn_gqa = True
+                    except RuntimeError:
+                        if _cudnn_gqa:
+                            raise
+                        _cudnn_gqa = False  # this build wants equal head counts: expand from now on
+                if o is None:
+                    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+                    o, seq_lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                        to_bhld(q[rows]), to_bhld(k), to_bhld(v), None, True, 0.0, True, False, scale=scale
+                    )[:2]
+                if result_out is None:
+                    result_out = o[0].transpose(0, 1)
+                else:
+                    result_out[rows] = o[0].transpose(0, 1)
                 lse[:, rows] = seq_lse.view(q.shape[1], -1)[:, :length]
             start += length
     except (RuntimeError, AttributeError) as error:
@@ -161,7 +188,17 @@ def _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, layout, scale, out)
             stacklevel=3,
         )
         return None
+    if result_out is None:  # a single sequence of length 0
+        result_out = torch.empty_like(q)
     return result_out, lse
+
+
+def _cudnn_route_applies(q, config: SparsePrefillConfig, q_lens, k_lens) -> bool:
+    """Whether the whole batch is dense and fresh, so cuDNN can compute it (see above)."""
+    if not q.is_cuda or _cudnn_refused:
+        return False
+    fresh = all(qn == kn for qn, kn in zip(q_lens, k_lens))
+    return fresh and (config.is_dense or all(qn < config.min_q_len for qn in q_lens))
 
 
 def sparse_prefill_attention(
@@ -216,22 +253,27 @@ def sparse_prefill_attention(
     from . import triton_kernels
 
     if layout is None:
-        layout = BatchLayout.build(*host_lengths, config, q.device)
+        cu_q, k_lens = host_lengths[0].tolist(), host_lengths[1].tolist()
+        q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    else:
+        q_lens, k_lens = layout.q_lens, layout.k_lens
     recorder = stats.recorder()
     clock = recorder.start(q.device) if recorder is not None else None
-    index = None
-    result = None
-    if layout.all_dense:
-        result = _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, layout, scale, out)
-    else:
-        index = triton_kernels.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, layout, config, scale)
+    index = result = None
+    if _cudnn_route_applies(q, config, q_lens, k_lens):
+        result = _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, q_lens, scale, out)
+    if result is None:
+        if layout is None:
+            layout = BatchLayout.build(*host_lengths, config, q.device)
+        if not layout.all_dense:
+            index = triton_kernels.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, layout, config, scale)
     select_ms = clock.lap() if clock is not None else 0.0
     if result is None:
         result = triton_kernels.block_sparse_attention(
             q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout, index, scale, config.mean_correction, out
         )
     if recorder is not None:
-        causal = layout.causal_blocks() * k_cache.shape[2]
+        causal = causal_block_count(q_lens, k_lens, config.block_size) * k_cache.shape[2]
         kept = causal if index is None else int(index.counts.long().sum().item())
         recorder.record(q.shape[0], kept, causal, select_ms, clock.lap())
     return result

@@ -20,6 +20,20 @@ from .config import SparsePrefillConfig
 LONG_ROW_BLOCKS = 32
 
 
+def causal_block_count(q_lens, k_lens, block: int) -> int:
+    """(query block, key block) pairs allowed by causality in a batch, per KV head, from host lengths.
+
+    Query block ``i`` sees key blocks ``0 .. i``: a sequence contributes the sum of ``i + 1`` over
+    the query blocks that hold its queries of this step.
+    """
+    total = 0
+    for q_len, k_len in zip(q_lens, k_lens):
+        if q_len > 0:
+            first, last = (k_len - q_len) // block + 1, -(-k_len // block)  # counts i + 1, inclusive
+            total += (first + last) * (last - first + 1) // 2
+    return total
+
+
 @dataclass(frozen=True)
 class BatchLayout:
     """Where each query block of a packed batch lives. Built once per step on the host."""
@@ -64,7 +78,7 @@ class BatchLayout:
 
     def causal_blocks(self) -> int:
         """Number of (query block, key block) pairs allowed by causality, per KV head."""
-        return int((self.qblock_pos.long() + 1).sum().item())
+        return causal_block_count(self.q_lens, self.k_lens, self.block_size)
 
     @classmethod
     def build(

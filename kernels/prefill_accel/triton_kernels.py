@@ -289,9 +289,9 @@ def _attend_kept(
             k_first = block * BLOCK + (t % SUB_N) * BLOCK_N
         page, slot = _kv_slots(pt_row, k_first + cols, PAGE_SIZE, None)
         keys = tl.load(k_cache + (page * stride_kp + slot * stride_ks + kv_head * stride_kh)[:, None] + dims[None, :])
-        logits = _dot(q_tile, tl.trans(keys)) * qk_scale
-        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
-        probs = tl.exp2(logits - new_max[:, None])
+        scores = _dot(q_tile, tl.trans(keys))  # unscaled: the scale folds into the exponent's FMA below
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1) * qk_scale)
+        probs = tl.exp2(scores * qk_scale - new_max[:, None])
         rescale = tl.exp2(row_max - new_max)
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
         acc = acc * rescale[:, None]
@@ -336,7 +336,17 @@ def _attend_diagonal(
     return row_max, row_sum, acc
 
 
-@triton.autotune(configs=_attention_configs(), key=["HEAD_DIM", "BLOCK", "DENSE", "GROUP"], prune_configs_by={"early_config_prune": _prune_configs})
+def _size_class(programs: int) -> int:
+    """Autotuning bucket of a launch by its query tiles x heads (at BLOCK 128): the best tile shape
+    for a few hundred programs is not the best for many waves of them, so each class tunes once."""
+    return 0 if programs < 2048 else 1 if programs < 8192 else 2
+
+
+@triton.autotune(
+    configs=_attention_configs(),
+    key=["HEAD_DIM", "BLOCK", "DENSE", "GROUP", "size_class"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)
 @triton.jit
 def _attention_kernel(
     q,
@@ -375,6 +385,7 @@ def _attention_kernel(
     stride_ph,
     total_q_blocks,
     qk_scale,
+    size_class,  # autotuning key only (_size_class)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -649,8 +660,13 @@ def block_sparse_attention(
     scale: float,
     mean_correction: bool,
     out: torch.Tensor | None,
+    tile: triton.Config | None = None,
+    split_kv: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the kept blocks of ``index`` (every causal block when it is None)."""
+    """Attention over the kept blocks of ``index`` (every causal block when it is None).
+
+    ``tile`` runs one tile shape instead of the autotuned choice and ``split_kv=False`` leaves long
+    dense rows to one program each: both for benchmarks that compare variants."""
     total_q, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[2]
     if out is None:
@@ -668,10 +684,14 @@ def block_sparse_attention(
             keep_mask = index.to_mask().to(torch.int8)  # same shape, so same strides, as indices
             pooled_k = pool_blocks(k_cache, page_table, seqlens_k, layout)
             pooled_v = pool_blocks(v_cache, page_table, seqlens_k, layout)
-    long_rows = None if dense else _long_rows_to_split(layout, num_heads, q.device)
+    long_rows = None if dense or not split_kv else _long_rows_to_split(layout, num_heads, q.device)
     split_flags = placeholder if long_rows is None else layout.long_row_flags
+    kernel, tile_args = _attention_kernel, {}
+    if tile is not None:
+        kernel = _attention_kernel.fn
+        tile_args = dict(tile.kwargs, num_warps=tile.num_warps, num_stages=tile.num_stages)
     grid = lambda meta: (layout.total_q_blocks * (layout.block_size // meta["BLOCK_M"]) * num_heads,)  # noqa: E731
-    _attention_kernel[grid](
+    kernel[grid](
         q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout.qblock_seq, layout.qblock_pos,
         counts, indices, keep_mask, pooled_k, pooled_v, split_flags, out, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -679,9 +699,9 @@ def block_sparse_attention(
         out.stride(0), out.stride(1), lse.stride(0),
         indices.stride(0), indices.stride(1), counts.stride(0),
         pooled_k.stride(0), pooled_k.stride(1), pooled_k.stride(2),
-        layout.total_q_blocks, scale * LOG2E,
+        layout.total_q_blocks, scale * LOG2E, _size_class(layout.total_q_blocks * num_heads),
         GROUP=num_heads // num_kv, HEAD_DIM=head_dim, BLOCK=layout.block_size, PAGE_SIZE=k_cache.shape[1],
-        DENSE=dense, MEAN_CORRECTION=mean_correction and not dense, SPLIT=long_rows is not None,
+        DENSE=dense, MEAN_CORRECTION=mean_correction and not dense, SPLIT=long_rows is not None, **tile_args,
     )
     if long_rows is not None:
         _split_long_rows(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout, index, long_rows, scale, out, lse)

