@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
 from prefill_accel import SparsePrefillConfig, block_sparse_attention, select_blocks, sparse_prefill_attention  # noqa: E402
-from prefill_accel import BatchLayout, reference, triton_kernels  # noqa: E402
+from prefill_accel import BatchLayout, api, reference, triton_kernels  # noqa: E402
 
 
 def cuda_time(fn, repeats: int, warmup: int = 2) -> float:
@@ -116,6 +116,29 @@ def tile_sweep(kernel_args, layout, scale, out, flops, cudnn_ms, reps) -> list[d
     return rows
 
 
+def dense_route_breakdown(q, k_cache, v_cache, table, length: int, reps: int) -> dict:
+    """Where the public function's dense route (cuDNN, below min_q_len) spends its time on one
+    fresh sequence: the page gather, cuDNN with the GQA groups native and expanded, the length read."""
+    group = q.shape[1] // k_cache.shape[2]
+    bhld = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731
+    cudnn = lambda k, v: torch.ops.aten._scaled_dot_product_cudnn_attention(  # noqa: E731
+        bhld(q), bhld(k), bhld(v), None, True, 0.0, True, False, scale=q.shape[2] ** -0.5
+    )
+    gather = lambda: [reference.gather_kv(c, table, 0, length) for c in (k_cache, v_cache)]  # noqa: E731
+    k, v = gather()
+    expand = lambda: [x.repeat_interleave(group, 1) for x in (k, v)]  # noqa: E731
+    row = {"gather_ms": cuda_time(gather, reps), "expand_ms": cuda_time(expand, reps)}
+    row["cudnn_expanded_ms"] = cuda_time(lambda: cudnn(*expand()), reps) - row["expand_ms"]
+    try:
+        row["cudnn_native_gqa_ms"] = cuda_time(lambda: cudnn(k, v), reps)
+    except RuntimeError as error:
+        row["cudnn_native_gqa_ms"], row["native_gqa_error"] = None, str(error).splitlines()[0][:160]
+    lengths = torch.tensor([0, length, length], dtype=torch.int32, device=q.device)
+    row["length_read_ms"] = cuda_time(lambda: lengths.long().cpu(), reps)
+    row["api_uses_native_gqa"] = api._cudnn_gqa
+    return row
+
+
 def threshold_for_density(args, target: float, base: SparsePrefillConfig) -> tuple[float, float]:
     """Bisect the threshold until the searched index keeps about ``target`` of the causal blocks."""
     low, high = 0.0, 1.0
@@ -202,6 +225,8 @@ def bench_length(length, args, results):
     if args.tiles:
         row["tiles"] = tile_sweep(kernel_args, layout, scale, out, flops, row["cudnn_ms"], reps)
     row["public_default_ms"] = cuda_time(lambda: sparse_prefill_attention(*kernel_args, out=out), reps)
+    if length < SparsePrefillConfig().min_q_len:
+        row["dense_route"] = dense_route_breakdown(q, k_cache, v_cache, table, length, reps)
     dense_out = sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION)()[0].transpose(0, 1).float()
     ours_dense = triton_dense()[0].clone()
     row["ours_dense_err"] = ((ours_dense.float() - dense_out).norm() / dense_out.norm()).item()
@@ -302,6 +327,11 @@ def main() -> int:
                 f"| {s['attention_ms']:.2f} / {s['attention_unsplit_ms']:.2f} "
                 f"| {s['speedup_cudnn']:.1f}x | {s['speedup_fa2']:.1f}x | {s['rel_err']:.1e} |"
             )
+    for row in results:
+        if "dense_route" in row:
+            print(f"\nDense route at {row['length'] // 1024}K: public function {row['public_default_ms']:.2f} ms, cuDNN "
+                  f"{row['cudnn_ms']:.2f} ms; parts: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                                               for k, v in row["dense_route"].items()))  # fmt: skip
     for row in results:
         if "tiles" in row:
             print(f"\nDense-mode tiles at {row['length'] // 1024}K (autotuned: {row['autotuned_tile']}); cuDNN {row['cudnn_ms']:.2f} ms")

@@ -298,3 +298,22 @@ def test_prebuilt_layout_from_host_lengths_gives_the_same_result():
         sparse_prefill_attention(*batch.args, config=config, layout=other)
     with pytest.raises(TypeError, match="BatchLayout"):
         sparse_prefill_attention(*batch.args, config=config, layout="layout")
+
+
+@pytest.mark.parametrize(
+    "q_len, k_len, heads, split",
+    [
+        (8192, 8192, 32, False),  # H200: split 0.58 ms, one program per row 0.48 ms
+        (32768, 32768, 32, False),  # 1.91 vs 1.65 ms
+        (32768, 32768, 9, True),  # 0.45 vs 0.70 ms
+        (131072, 131072, 9, True),  # 1.85 vs 2.48 ms
+        (16384, 131072, 9, True),  # a chunk after a long prefix: 0.6 vs 2.9 ms
+        (16384, 131072, 132, False),  # long rows alone fill the multiprocessors
+    ],
+)
+def test_split_kv_is_chosen_where_it_measured_faster(q_len, k_len, heads, split):
+    cu = torch.tensor([0, q_len], dtype=torch.int32)
+    config = SparsePrefillConfig(min_q_len=0)  # as the benchmark ran them
+    layout = layout_module.BatchLayout.build(cu, torch.tensor([k_len], dtype=torch.int32), config, "cpu")
+    assert layout.long_rows.numel() == 1
+    assert triton_kernels.split_pays(layout, heads, sms=132) is split

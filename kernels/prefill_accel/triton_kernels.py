@@ -30,6 +30,7 @@ MIN_SPLIT_BLOCKS = 16
 MAX_SPLITS = 16
 SPLIT_BLOCK_M = 64  # divides every supported block size
 SPLIT_BLOCK_N = 64
+HIDDEN_ROW_FACTOR = 2  # see _long_rows_to_split
 
 
 def _attention_configs() -> list[triton.Config]:
@@ -45,6 +46,8 @@ def _attention_configs() -> list[triton.Config]:
             (64, 64, 4, 3),
             (128, 32, 4, 2),
             (64, 32, 4, 2),
+            (128, 128, 4, 2),  # the best at head_dim 64 (71-78% of cuDNN at 32K-128K on the H200)
+            (64, 128, 4, 3),
         ]
     ]
 
@@ -709,14 +712,31 @@ def block_sparse_attention(
 
 
 def _long_rows_to_split(layout: BatchLayout, num_heads: int, device: torch.device) -> torch.Tensor | None:
-    """The layout's long dense rows when splitting them pays: while they alone would not fill the
-    GPU's multiprocessors (any count on the interpreter), None otherwise or when there are none."""
+    """The layout's long dense rows when splitting them pays (always on the interpreter), else None."""
     n = layout.long_rows.numel()
-    if n == 0:
-        return None
-    if device.type == "cuda" and n * num_heads >= torch.cuda.get_device_properties(device).multi_processor_count:
-        return None
-    return layout.long_rows
+    if n == 0 or device.type != "cuda":
+        return layout.long_rows if n else None
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return layout.long_rows if split_pays(layout, num_heads, sms) else None
+
+
+def split_pays(layout: BatchLayout, num_heads: int, sms: int) -> bool:
+    """Whether split-KV of the layout's long rows beats one program per row on ``sms`` multiprocessors.
+
+    It pays while the long rows alone would not fill the multiprocessors and their walk outlasts
+    the other query blocks' work. That work is not known before the search; each of them keeps at
+    least its sink, local and diagonal blocks, and when HIDDEN_ROW_FACTOR times that floor, per
+    multiprocessor, covers the longest walk, the rows (which start first) finish in its shadow and
+    a split only adds a launch and a merge. Measured on the H200 (docs/benchmarks.md): with 32
+    heads a split cost 0.1 ms at 8K and 0.25 ms at 32K; with 9 heads it saved 0.25-0.6 ms, and on
+    a 16K chunk after a 112K prefix the attention took 0.6 ms instead of 2.9.
+    """
+    n = layout.long_rows.numel()
+    if n == 0 or n * num_heads >= sms:
+        return False
+    config = layout.config
+    floor = (layout.total_q_blocks - n) * (config.sink_blocks + config.local_blocks + 1) * num_heads / sms
+    return layout.long_row_blocks > HIDDEN_ROW_FACTOR * floor
 
 
 def _split_long_rows(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout, index, long_rows, scale,
