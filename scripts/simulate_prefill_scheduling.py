@@ -273,7 +273,10 @@ ENGINES = {"v1": V1Engine, "v0": V0Engine}
 
 
 def simulate(engine_cls, model_dir: str, max_num_batched_tokens: int, options: dict,
-             arrivals: list[Arrival], max_steps: int, costs: Costs) -> dict:
+             arrivals: list[Arrival], max_steps: int, costs: Costs, jitter: float = 0.0) -> dict:
+    """One run; with ``jitter`` each step's duration is the cost model's times a log-normal factor
+    of that sigma (median 1, seeded, so every configuration meets the same sequence of factors)."""
+    noise = random.Random(11)
     clock = SimClock()
     t0 = clock.now
     engine = engine_cls(max_num_batched_tokens, options, clock, model_dir)
@@ -294,7 +297,7 @@ def simulate(engine_cls, model_dir: str, max_num_batched_tokens: int, options: d
             continue
         decoding = engine.decoding()
         chunks = engine.schedule()
-        duration = costs.step(chunks, decoding)
+        duration = costs.step(chunks, decoding) * (noise.lognormvariate(0.0, jitter) if jitter else 1.0)
         clock.now += max(duration, 1e-4)
         if decoding:
             decode_steps.append(duration)
@@ -348,6 +351,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="serve workload: seconds of arrivals")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-steps", type=int, default=20_000)
+    parser.add_argument("--jitter", type=float, default=0.0,
+                        help="log-normal sigma of a per-step factor on the modelled step time (0: none)")
     parser.add_argument("--engine", choices=sorted(ENGINES), default="v1",
                         help="v1: vLLM 0.26.0's scheduler (vllm.v1.core.sched); v0: vLLM 0.6.3's (vllm.core)")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -383,7 +388,7 @@ def main() -> int:
         for name in names:
             try:
                 results[name] = simulate(ENGINES[args.engine], model_dir, args.max_num_batched_tokens,
-                                         CONFIGS[name], arrivals, args.max_steps, COSTS[args.costs])
+                                         CONFIGS[name], arrivals, args.max_steps, COSTS[args.costs], args.jitter)
             except (TypeError, ValueError) as e:
                 if "unexpected keyword" not in str(e) and "Unexpected keyword" not in str(e):
                     raise
@@ -394,7 +399,8 @@ def main() -> int:
     columns = ["chat_ttfs_mean_ms", "chat_ttfs_max_ms", "chat_ttft_mean_ms", "chat_ttft_max_ms",
                "chats_done", "decode_step_p50_ms", "decode_step_p99_ms", "decode_step_max_ms",
                "decode_stalls", "doc_ttft_s"]
-    print(f"workload: {described}; costs {args.costs}; max_num_batched_tokens={args.max_num_batched_tokens}; "
+    print(f"workload: {described}; costs {args.costs}" + (f" x log-normal jitter {args.jitter}" if args.jitter else "")
+          + f"; max_num_batched_tokens={args.max_num_batched_tokens}; "
           f"{args.engine} scheduler of vllm {vllm.__version__} from {vllm.__file__}\n")
     print("| config | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")

@@ -36,7 +36,8 @@ def fitted_budget(target_ms: float) -> PrefillTime:
 
 def test_water_level_shares_tokens_and_seconds_max_min_fairly():
     assert water_level([100, 5000, 5000], 2100) == 1000  # the short one whole, the rest split
-    assert water_level([100, 200], 1000) == 200  # enough for everyone: nobody is capped
+    assert water_level([100, 200], 1000) == 1000  # enough for everyone: nobody is capped
+    assert water_level([0.0, 0.0], 0.002) == 0.002  # predicted free: still nobody is capped
     assert water_level([], 512) == 512
     level = water_level([0.001, 0.050, 0.020], 0.012)
     assert level == pytest.approx(0.0055)
@@ -48,8 +49,8 @@ def test_partial_prefills_admit_share_and_keep_long_slots():
     limits = PartialPrefills(max_partial=2, max_long=1, long_threshold=1000, remaining=lambda r: r)
     level, seconds = limits.shares(prefilling=[5000], waiting=[8000, 300, 200], tokens=2048)
     # Expected: the running 5000 (asks for 1000, the threshold) and the 300 (the 8000 finds the long
-    # slot taken and is passed over): 1000 + 300 fit in 2048, so the level is the largest demand.
-    assert (level, seconds) == (1000, None)
+    # slot taken and is passed over): 1000 + 300 fit in 2048, so nobody is capped.
+    assert (level, seconds) == (2048, None)
     assert limits.admission(8000) == PartialPrefills.SKIP
     assert limits.admission(300) == PartialPrefills.ADMIT
     limits.admitted(300)
@@ -57,6 +58,22 @@ def test_partial_prefills_admit_share_and_keep_long_slots():
     level, seconds = limits.shares([5000], [300], tokens=512, chunk_seconds=lambda r, n: n * 1e-5, seconds=0.004)
     assert level == 256 and seconds == pytest.approx(0.002)
     assert PartialPrefills(1, 1, 0, remaining=lambda r: r).admission(8000) == PartialPrefills.ADMIT  # limits off
+
+
+def test_a_model_that_prices_prefill_at_nothing_does_not_refuse_it():
+    """Seen in simulation with noisy step times: between chat prompts the fit saw only decode steps,
+    put all their time in c0 and priced prefill tokens at zero; the time share of the step's prefills
+    came out as their predicted zero, every chunk was refused and a short prompt waited for the
+    starvation step (128 steps, ~0.26 s: the unloaded TTFT tail of the H200 mixed load)."""
+    budget = PrefillTime(4.7, token_scale=8192, max_model_len=MAX_MODEL_LEN, min_prefill_tokens=16)
+    for _ in range(50):
+        budget.model.observe(1, 600, 2e-3)
+    assert max(budget.model.coefficients[1:]) < 1e-10  # decode steps alone hardly price a prefill token
+    budget.model.coefficients = (2e-3, 0.0, 0.0, 0.0)  # as the active-set fit returned in the simulation
+    budget.start(decode_tokens=1, decode_pairs=600)
+    limits = PartialPrefills(max_partial=4, max_long=1, long_threshold=4096, remaining=lambda r: r)
+    _, seconds = limits.shares([], [736], 8192, lambda r, n: budget.model.chunk_seconds(n, 0), budget.seconds_left)
+    assert budget.limit_tokens(0, 736, seconds, floor_each=True) == 736
 
 
 def test_attention_pairs_of_a_chunk_after_a_prefix():

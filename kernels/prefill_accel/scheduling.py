@@ -33,7 +33,9 @@ def water_level(demands: list, budget):
     """Largest per-prefill cap L with sum(min(d, L) for d in demands) <= budget (tokens as
     ints, or seconds as floats).
 
-    With enough budget for every demand, L is the largest demand (nobody is capped).
+    With enough budget for every demand, L is the whole budget: nobody is capped. (Not the largest
+    demand: demands in seconds are predictions, and a level at a prediction of zero, as a fit that
+    has not yet priced prefill tokens makes, would refuse every chunk.)
     """
     if not demands:
         return budget
@@ -43,7 +45,7 @@ def water_level(demands: list, budget):
             return left / count if isinstance(left, float) else left // count
         left -= demand
         count -= 1
-    return max(demands)
+    return budget
 
 
 class PartialPrefills:
