@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Compare block-importance estimators on captured real q/k, against the oracle (PyTorch, CPU is fine).
+
+For each captured layer (a .pt file from `python -m prefill_accel.accuracy --capture DIR`), every
+estimator scores each (query block, KV head, key block); the max-relative cut of the kernels (plus the
+always-kept sink, local and diagonal blocks) is bisected until the kept blocks hold `--recall` of the
+true attention mass on average. Printed per estimator: the density kept there, and its ratio to the
+oracle, both at the achieved recall row by row (as the harness reports) and at `--recall` in every row.
+
+Estimators: the kernels' pooled keys (every `--query-stride`-th query row against each block's mean key,
+as `select_blocks` does), and exact scores of a few query rows per block against every key (`exact-N`:
+N evenly spaced rows, the block's last row among them).
+
+  python scripts/compare_estimators.py CAPTURES/smollm2_L8192_layer*.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+
+from prefill_accel.accuracy.metrics import block_attention_mass, selection_quality  # noqa: E402
+
+
+def sampled_rows(block: int, pos: int, length: int, stride: int) -> torch.Tensor:
+    """Rows stride-1, 2*stride-1, ... of query block ``pos`` (its last row at least)."""
+    rows = torch.arange(pos * block + stride - 1, min((pos + 1) * block, length), stride)
+    return rows if len(rows) else torch.tensor([min((pos + 1) * block, length) - 1])
+
+
+def pooled_estimate(q, k, block: int, scale: float, stride: int) -> torch.Tensor:
+    """(nb, Hkv, nb): softmax over causal key blocks of q . mean key + ln(keys in block), averaged
+    over the sampled rows and the query heads of each KV head's group."""
+    length, heads, dim = q.shape
+    num_kv = k.shape[1]
+    nb = -(-length // block)
+    padded = torch.nn.functional.pad(k.float(), (0, 0, 0, 0, 0, nb * block - length)).view(nb, block, num_kv, dim)
+    count = torch.clamp(length - torch.arange(nb) * block, max=block).float()
+    mean_k = padded.sum(1) / count[:, None, None]
+    est = torch.zeros(nb, num_kv, nb)
+    for pos in range(nb):
+        rows = sampled_rows(block, pos, length, stride)
+        qs = q[rows].float().view(len(rows), num_kv, heads // num_kv, dim)
+        logits = torch.einsum("rhgd,jhd->hgrj", qs, mean_k[: pos + 1]) * scale + count[: pos + 1].log()
+        est[pos, :, : pos + 1] = torch.softmax(logits, -1).mean((1, 2))
+    return est
+
+
+def exact_estimate(q, k, block: int, scale: float, rows_per_block: int) -> torch.Tensor:
+    """(nb, Hkv, nb): exact causal attention mass per key block of a few rows of each query block."""
+    length, heads, dim = q.shape
+    num_kv = k.shape[1]
+    nb = -(-length // block)
+    est = torch.zeros(nb, num_kv, nb)
+    keys = torch.arange(length)
+    for pos in range(nb):
+        rows = sampled_rows(block, pos, length, max(block // rows_per_block, 1))
+        qs = q[rows].float().view(len(rows), num_kv, heads // num_kv, dim)
+        logits = torch.einsum("rhgd,khd->hgrk", qs, k.float()) * scale
+        logits = logits.masked_fill(keys[None, None, None, :] > rows[None, None, :, None], float("-inf"))
+        probs = torch.softmax(logits, -1).mean((1, 2))
+        est[pos] = torch.nn.functional.pad(probs, (0, nb * block - length)).view(num_kv, nb, block).sum(-1)
+    return est
+
+
+def kept_blocks(est: torch.Tensor, threshold: float, sink: int, local: int) -> torch.Tensor:
+    """The kernels' cut: est >= threshold x the row's largest, plus sink, local and diagonal blocks."""
+    nb = est.shape[0]
+    j, i = torch.arange(nb)[None, None, :], torch.arange(nb)[:, None, None]
+    causal = j <= i
+    est = est.masked_fill(~causal, 0.0)
+    return causal & ((est >= threshold * est.amax(-1, keepdim=True)) | (j < sink) | (j >= i - local))
+
+
+def at_recall(mass, est, recall: float, sink: int, local: int) -> dict:
+    """Bisect the largest threshold whose kept blocks hold at least ``recall`` of the mass on average."""
+    low, high, best = 0.0, 1.0, None
+    for _ in range(40):
+        mid = (low + high) / 2
+        quality = selection_quality(mass, kept_blocks(est, mid, sink, local), recall_target=recall)
+        if quality["recall"] >= recall:
+            best, low = dict(quality, threshold=mid), mid
+        else:
+            high = mid
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("captures", nargs="+", type=Path, help=".pt files holding q (L, Hq, D) and k (L, Hkv, D)")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--recall", type=float, default=0.95)
+    parser.add_argument("--query-stride", type=int, default=4, help="of the pooled-key estimate")
+    parser.add_argument("--exact-rows", default="1,2,8", help="rows per block of the exact estimates")
+    parser.add_argument("--sink-blocks", type=int, default=1)
+    parser.add_argument("--local-blocks", type=int, default=2)
+    args = parser.parse_args()
+    print("| layer | estimator | threshold | recall | density | / oracle at the achieved recall | / oracle at "
+          f"{args.recall:g} in every row |\n|---|---|---|---|---|---|---|")
+    for path in args.captures:
+        data = torch.load(path)
+        q, k = data["q"], data["k"]
+        scale = data.get("scale") or q.shape[-1] ** -0.5
+        mass = block_attention_mass(q, k, args.block_size, scale)
+        estimates = {f"pooled keys, stride {args.query_stride}": pooled_estimate(q, k, args.block_size, scale, args.query_stride)}
+        for n in (int(x) for x in args.exact_rows.split(",")):
+            estimates[f"exact, {n} row{'s' if n > 1 else ''} per block"] = exact_estimate(q, k, args.block_size, scale, n)
+        for name, est in estimates.items():
+            r = at_recall(mass, est, args.recall, args.sink_blocks, args.local_blocks)
+            print(f"| {path.stem} | {name} | {r['threshold']:.2g} | {r['recall']:.3f} | {r['density']:.3f} "
+                  f"| {r['density'] / r['oracle_density']:.2f}x | {r['density'] / r['oracle_density_95']:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
