@@ -728,8 +728,9 @@ def split_pays(layout: BatchLayout, num_heads: int, sms: int) -> bool:
     least its sink, local and diagonal blocks, and when HIDDEN_ROW_FACTOR times that floor, per
     multiprocessor, covers the longest walk, the rows (which start first) finish in its shadow and
     a split only adds a launch and a merge. Measured on the H200 (docs/benchmarks.md): with 32
-    heads a split cost 0.1 ms at 8K and 0.25 ms at 32K; with 9 heads it saved 0.25-0.6 ms, and on
-    a 16K chunk after a 112K prefix the attention took 0.6 ms instead of 2.9.
+    heads a split changed nothing at 8K, cost ~0.15 ms at 32K and saved ~0.2 ms of 8.9 at 128K; with
+    9 heads it saved 0.2-0.5 ms, and on a 16K chunk after a 112K prefix the attention took 0.6 ms
+    instead of 2.9.
     """
     n = layout.long_rows.numel()
     if n == 0 or n * num_heads >= sms:
