@@ -174,7 +174,7 @@ def _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, q_lens, scale, out)
                         to_bhld(q[rows]), to_bhld(k), to_bhld(v), None, True, 0.0, True, False, scale=scale
                     )[:2]
                 if result_out is None:
-                    result_out = o[0].transpose(0, 1)
+                    result_out = o[0].transpose(0, 1).contiguous()  # already so when laid out like q
                 else:
                     result_out[rows] = o[0].transpose(0, 1)
                 lse[:, rows] = seq_lse.view(q.shape[1], -1)[:, :length]
