@@ -120,10 +120,7 @@ def dense_route_breakdown(q, k_cache, v_cache, table, length: int, reps: int) ->
     """Where the public function's dense route (cuDNN, below min_q_len) spends its time on one
     fresh sequence: the page gather, cuDNN with the GQA groups native and expanded, the length read."""
     group = q.shape[1] // k_cache.shape[2]
-    bhld = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731
-    cudnn = lambda k, v: torch.ops.aten._scaled_dot_product_cudnn_attention(  # noqa: E731
-        bhld(q), bhld(k), bhld(v), None, True, 0.0, True, False, scale=q.shape[2] ** -0.5
-    )
+    cudnn = lambda k, v: api.cudnn_causal_attention(q, k, v, q.shape[2] ** -0.5)  # noqa: E731
     gather = lambda: [reference.gather_kv(c, table, 0, length) for c in (k_cache, v_cache)]  # noqa: E731
     k, v = gather()
     expand = lambda: [x.repeat_interleave(group, 1) for x in (k, v)]  # noqa: E731

@@ -134,6 +134,16 @@ def _dense_fallback(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, sc
     return out, lse
 
 
+def cudnn_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Causal attention of one fresh sequence, (L, H, D) tensors, by cuDNN: ((L, Hq, D) output,
+    (Hq, L') float32 natural-log lse, L' >= L). Raises RuntimeError where cuDNN refuses the inputs."""
+    to_bhld = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731
+    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        to_bhld(q), to_bhld(k), to_bhld(v), None, True, 0.0, True, False, scale=scale
+    )[:2]
+    return o[0].transpose(0, 1), lse.view(q.shape[1], -1)
+
+
 def _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, q_lens, scale, out):
     """Compute a batch of fresh prefills (no prefix) densely with cuDNN attention, the fastest dense
     kernel on Hopper, so the public function is never much slower than dense attention below
@@ -144,7 +154,6 @@ def _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, q_lens, scale, out)
     """
     global _cudnn_refused, _cudnn_gqa
     group = q.shape[1] // k_cache.shape[2]
-    to_bhld = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731
     if len(q_lens) == 1 and out is None:
         result_out = None  # cuDNN lays its output out like q: a single sequence needs no copy
     else:
@@ -160,24 +169,21 @@ def _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, q_lens, scale, out)
                 o = seq_lse = None
                 if _cudnn_gqa is not False and group > 1:
                     try:
-                        o, seq_lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                            to_bhld(q[rows]), to_bhld(k), to_bhld(v), None, True, 0.0, True, False, scale=scale
-                        )[:2]
+                        o, seq_lse = cudnn_causal_attention(q[rows], k, v, scale)
                         _cudnn_gqa = True
                     except RuntimeError:
                         if _cudnn_gqa:
                             raise
                         _cudnn_gqa = False  # this build wants equal head counts: expand from now on
                 if o is None:
-                    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-                    o, seq_lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                        to_bhld(q[rows]), to_bhld(k), to_bhld(v), None, True, 0.0, True, False, scale=scale
-                    )[:2]
+                    o, seq_lse = cudnn_causal_attention(
+                        q[rows], k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), scale
+                    )
                 if result_out is None:
-                    result_out = o[0].transpose(0, 1).contiguous()  # already so when laid out like q
+                    result_out = o.contiguous()  # already so when cuDNN lays it out like q
                 else:
-                    result_out[rows] = o[0].transpose(0, 1)
-                lse[:, rows] = seq_lse.view(q.shape[1], -1)[:, :length]
+                    result_out[rows] = o
+                lse[:, rows] = seq_lse[:, :length]
             start += length
     except (RuntimeError, AttributeError) as error:
         _cudnn_refused = True

@@ -30,7 +30,7 @@ MIN_SPLIT_BLOCKS = 16
 MAX_SPLITS = 16
 SPLIT_BLOCK_M = 64  # divides every supported block size
 SPLIT_BLOCK_N = 64
-HIDDEN_ROW_FACTOR = 2  # see _long_rows_to_split
+HIDDEN_ROW_FACTOR = 2  # see split_pays
 
 
 def _attention_configs() -> list[triton.Config]:
@@ -305,6 +305,19 @@ def _attend_kept(
 
 
 @triton.jit
+def _online_softmax_step(logits, values, row_max, row_sum, acc):
+    """Fold one tile of scaled base-2 logits (-inf where masked) and its values into the running row
+    maximum, row sum and unnormalised accumulator."""
+    new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+    probs = tl.exp2(logits - new_max[:, None])
+    rescale = tl.exp2(row_max - new_max)
+    row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+    acc = acc * rescale[:, None]
+    acc += _dot(probs.to(values.dtype), values)
+    return new_max, row_sum, acc
+
+
+@triton.jit
 def _attend_diagonal(
     q_tile, q_pos, pos, last_row, k_len, k_cache, v_cache, pt_row, kv_head, row_max, row_sum, acc, qk_scale,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
@@ -324,18 +337,12 @@ def _attend_diagonal(
         )
         logits = _dot(q_tile, tl.trans(keys)) * qk_scale
         logits = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :], logits, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
-        probs = tl.exp2(logits - new_max[:, None])
-        rescale = tl.exp2(row_max - new_max)
-        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None]
         values = tl.load(
             v_cache + (page * stride_vp + slot * stride_vs + kv_head * stride_vh)[:, None] + dims[None, :],
             mask=k_valid[:, None],
             other=0.0,
         )
-        acc += _dot(probs.to(values.dtype), values)
-        row_max = new_max
+        row_max, row_sum, acc = _online_softmax_step(logits, values, row_max, row_sum, acc)
     return row_max, row_sum, acc
 
 
@@ -450,14 +457,8 @@ def _attention_kernel(
                 mean_k = tl.load(pooled_k + pooled_row + j[:, None] * stride_pj + dims[None, :], mask=pruned[:, None], other=0.0)
                 logits = _dot(q_tile, tl.trans(mean_k.to(q_tile.dtype))) * qk_scale + math.log2(BLOCK)
                 logits = tl.where(pruned[None, :], logits, float("-inf"))
-                new_max = tl.maximum(row_max, tl.max(logits, axis=1))
-                probs = tl.exp2(logits - new_max[:, None])
-                rescale = tl.exp2(row_max - new_max)
-                row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-                acc = acc * rescale[:, None]
                 mean_v = tl.load(pooled_v + pooled_row + j[:, None] * stride_pj + dims[None, :], mask=pruned[:, None], other=0.0)
-                acc += _dot(probs, mean_v)
-                row_max = new_max
+                row_max, row_sum, acc = _online_softmax_step(logits, mean_v, row_max, row_sum, acc)
 
         acc = acc / row_sum[:, None]
         tl.store(out + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :], acc.to(out.dtype.element_ty), mask=q_valid[:, None])
@@ -713,9 +714,10 @@ def block_sparse_attention(
 
 def _long_rows_to_split(layout: BatchLayout, num_heads: int, device: torch.device) -> torch.Tensor | None:
     """The layout's long dense rows when splitting them pays (always on the interpreter), else None."""
-    n = layout.long_rows.numel()
-    if n == 0 or device.type != "cuda":
-        return layout.long_rows if n else None
+    if layout.long_rows.numel() == 0:
+        return None
+    if device.type != "cuda":
+        return layout.long_rows
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return layout.long_rows if split_pays(layout, num_heads, sms) else None
 

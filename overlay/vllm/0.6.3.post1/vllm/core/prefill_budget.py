@@ -51,7 +51,6 @@ class PrefillBudget:
             scheduler_config.max_long_partial_prefills,
             scheduler_config.long_prefill_token_threshold,
             remaining_prefill_tokens)
-        self.long_threshold = scheduler_config.long_prefill_token_threshold
         self.block_size = block_size
         self._level: Optional[int] = None
         self._limiter: Optional[StepTimeBudget] = None
@@ -95,8 +94,8 @@ class PrefillBudget:
         """The chunk size allowed for a prefill of `seq_group` asking for `num_new_tokens`; with
         `aligned` (prefix caching) a cut chunk is a whole number of blocks, at least one."""
         allowed = num_new_tokens
-        if self.long_threshold > 0:
-            allowed = min(allowed, self.long_threshold)
+        if self.limits.long_threshold > 0:
+            allowed = min(allowed, self.limits.long_threshold)
         if self._level is not None:
             allowed = min(allowed, max(self._level, 1))
         if self._limiter is not None:
