@@ -11,6 +11,7 @@ real Q/K/V files when given. Prints a Markdown table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -176,8 +177,9 @@ def check_correctness(dtypes, head_dims, page_sizes) -> list[str]:
                 seqlens = torch.tensor(k_lens, dtype=torch.int32, device="cuda")
                 args = (q, k_cache, v_cache, table, cu, seqlens)
                 ref_out, ref_lse = reference.dense_paged_attention(*args)
-                for threshold, min_q_len in ((0.0, 0), (0.05, 0), (0.05, 1 << 20)):
-                    config = SparsePrefillConfig(threshold=threshold, min_q_len=min_q_len)
+                cases = ((0.0, 0, "pooled"), (0.05, 0, "pooled"), (0.05, 0, "exact"), (0.05, 1 << 20, "pooled"))
+                for threshold, min_q_len, estimator in cases:
+                    config = SparsePrefillConfig(threshold=threshold, min_q_len=min_q_len, estimator=estimator)
                     if min_q_len:  # an all-dense batch of fresh prefills: the cuDNN route
                         fresh = slice(0, q_lens[0])
                         args = (q[fresh], k_cache, v_cache, table[:1], cu[:2], seqlens[:1].clone().fill_(q_lens[0]))
@@ -192,10 +194,15 @@ def check_correctness(dtypes, head_dims, page_sizes) -> list[str]:
                     err = ((got.float() - target).norm() / target.norm()).item()
                     lse_err = (lse - target_lse).abs().max().item()
                     ok = torch.isfinite(got).all().item() and err < 2e-2 and lse_err < 1e-2
+                    scores = ""
+                    if estimator == "exact":  # the search's estimate itself against the float64 reference
+                        want = reference.select_blocks(q, k_cache, table, cu, seqlens, config)
+                        score_err = (index.scores - want.scores).abs().max().item()
+                        ok = ok and score_err < 1e-3
+                        scores = f" score_err={score_err:.1e}"
                     lines.append(
                         f"{'ok ' if ok else 'BAD'} {str(dtype):15s} d={head_dim:3d} page={page_size:2d} th={threshold} "
-                        f"min_q_len={min_q_len}: "
-                        f"rel_err={err:.2e} lse_err={lse_err:.1e}"
+                        f"min_q_len={min_q_len} {estimator}: rel_err={err:.2e} lse_err={lse_err:.1e}{scores}"
                     )
     return lines
 
@@ -230,9 +237,9 @@ def bench_length(length, args, results):
     for name in ("cudnn", "fa2", "ours_dense"):
         row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
     row["sparse"] = []
-    base = SparsePrefillConfig(min_q_len=0, query_stride=args.query_stride)
     select_args = (q, k_cache, table, cu, seqlens)
-    for target in args.densities:
+    for estimator, target in itertools.product(args.estimators, args.densities):
+        base = SparsePrefillConfig(min_q_len=0, query_stride=args.query_stride, estimator=estimator)
         threshold, density = threshold_for_density(select_args, target, base)
         config = base.replace(threshold=threshold)
         total = cuda_time(lambda: sparse_prefill_attention(*kernel_args, config=config, out=out), reps)
@@ -244,7 +251,7 @@ def bench_length(length, args, results):
         sparse_out, _ = sparse_prefill_attention(*kernel_args, config=config)
         err = ((sparse_out.float() - dense_out).norm() / dense_out.norm()).item()
         row["sparse"].append(
-            dict(target=target, threshold=threshold, density=density, total_ms=total, select_ms=select,
+            dict(estimator=estimator, target=target, threshold=threshold, density=density, total_ms=total, select_ms=select,
                  attention_ms=attend, attention_unsplit_ms=attend_unsplit,
                  long_rows=index.layout.long_rows.numel(), rel_err=err, speedup_cudnn=row["cudnn_ms"] / total, speedup_fa2=row["fa2_ms"] / total)
         )
@@ -287,12 +294,14 @@ def main() -> int:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--query-stride", type=int, default=SparsePrefillConfig().query_stride)
+    parser.add_argument("--estimators", default="pooled,exact", help="block-importance estimators of the sparse rows")
     parser.add_argument("--real", nargs="*", default=[], help="captured q/k/v .pt files to time and check")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--tiles", action="store_true", help="also time the dense-mode kernel at each candidate tile shape")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.densities = [float(x) for x in args.densities.split(",")]
+    args.estimators = args.estimators.split(",")
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d')}", flush=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
@@ -310,8 +319,8 @@ def main() -> int:
     report["real"] = [bench_real(Path(p), SparsePrefillConfig(), args.repeats, args.page_size) for p in args.real]
     for row in report["real"]:
         print(json.dumps(row), flush=True)
-    print("\n| N | cuDNN ms (TFLOP/s) | FA2 ms (TFLOP/s) | ours dense ms (TFLOP/s, % cuDNN) | default config ms | density | sparse ms | select ms | attention ms split / unsplit | vs cuDNN | vs FA2 | rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| N | cuDNN ms (TFLOP/s) | FA2 ms (TFLOP/s) | ours dense ms (TFLOP/s, % cuDNN) | default config ms | estimator | density | sparse ms | select ms | attention ms split / unsplit | vs cuDNN | vs FA2 | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in results:
         head = (
             f"| {row['length'] // 1024}K | {row['cudnn_ms']:.2f} ({row['cudnn_tflops']:.0f}) | {row['fa2_ms']:.2f} ({row['fa2_tflops']:.0f}) "
@@ -320,7 +329,7 @@ def main() -> int:
         )
         for s in row["sparse"]:
             print(
-                head + f"| {100 * s['density']:.1f}% | {s['total_ms']:.2f} | {s['select_ms']:.2f} "
+                head + f"| {s['estimator']} | {100 * s['density']:.1f}% | {s['total_ms']:.2f} | {s['select_ms']:.2f} "
                 f"| {s['attention_ms']:.2f} / {s['attention_unsplit_ms']:.2f} "
                 f"| {s['speedup_cudnn']:.1f}x | {s['speedup_fa2']:.1f}x | {s['rel_err']:.1e} |"
             )

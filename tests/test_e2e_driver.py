@@ -51,3 +51,15 @@ def test_engine_kwargs_size_the_rotary_table_for_long_runs(driver):
     assert long["hf_overrides"] == {"max_position_embeddings": 132096}
     assert "hf_overrides" not in short
     assert driver.sparse(threshold=0.0)["sparse_prefill_threshold"] == 0.0
+
+
+def test_sparse_flags_of_the_run_reach_every_patched_engine_under_a_stages_own(driver, monkeypatch):
+    monkeypatch.setattr(driver, "SPARSE_FLAGS", {})
+    driver.SPARSE_FLAGS.update([driver.parse_sparse_flag("estimator=exact"), driver.parse_sparse_flag("threshold=0.01")])
+    kwargs = driver.sparse(threshold=0.0)
+    assert kwargs["sparse_prefill_estimator"] == "exact" and kwargs["sparse_prefill_threshold"] == 0.0
+    assert driver.parse_sparse_flag("exact_rows=2") == ("exact_rows", 2)
+    assert driver.parse_sparse_flag("mean_correction=true") == ("mean_correction", True)
+    assert "--sparse-prefill-estimator=exact" in driver.sparse_flags_note()
+    with pytest.raises(Exception, match="NAME=VALUE"):
+        driver.parse_sparse_flag("exact")

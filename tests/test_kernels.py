@@ -134,12 +134,49 @@ def test_selection_matches_reference_search():
         assert torch.equal(got.counts, got_mask.sum(-1).int())
 
 
-def test_scores_are_shares_of_attention():
+@pytest.mark.parametrize("estimator", ["pooled", "exact"])
+def test_scores_are_shares_of_attention(estimator):
     batch = make_batch(**MIXED, device=DEVICE)
-    index = select_blocks(*batch.search_args, config=sparse_config())
+    index = select_blocks(*batch.search_args, config=sparse_config(estimator=estimator))
     searched = index.layout.qblock_dense == 0
     sums = index.scores.sum(-1)[searched.to(index.scores.device)]
     torch.testing.assert_close(sums, torch.ones_like(sums), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)], ids=["mha", "gqa3", "gqa8"])
+def test_exact_estimate_matches_reference(rows, page_size, heads):
+    # Besides MIXED: a short prefill below min_q_len (dense, not scored) and a chunk whose last
+    # block ends 21 rows in, where the sampled rows past the end collapse onto its last position.
+    batch = make_batch(
+        q_lens=MIXED["q_lens"] + [40, 131], k_lens=MIXED["k_lens"] + [40, 213],
+        num_heads=heads[0], num_kv_heads=heads[1], page_size=page_size, dtype=torch.bfloat16, device=DEVICE,
+    )  # fmt: skip
+    config = sparse_config(estimator="exact", exact_rows=rows, threshold=0.05, min_q_len=64)
+    got = select_blocks(*batch.search_args, config=config)
+    want = reference.select_blocks(*batch.search_args, config=config)
+    searched = (want.layout.qblock_dense == 0).to(want.scores.device)
+    assert searched.sum() >= 4 and (~searched).sum() >= 2
+    torch.testing.assert_close(got.scores, want.scores, atol=1e-4, rtol=1e-3)
+    clear = (want.scores - config.threshold * want.scores.amax(-1, keepdim=True)).abs() > 1e-3
+    assert torch.equal(got.to_mask()[clear], want.to_mask()[clear])
+    assert torch.equal(got.counts, got.to_mask().sum(-1).int())
+
+
+def test_exact_estimate_over_several_tiles_and_sequences():
+    # GQA 8 takes 16 query blocks per tile: 44 blocks of one sequence make three tiles, and the
+    # third also holds the blocks of a second sequence.
+    batch = make_batch(q_lens=[2800, 300], k_lens=[2800, 700], num_heads=8, num_kv_heads=1, device=DEVICE)
+    config = sparse_config(estimator="exact", threshold=0.02)
+    got = select_blocks(*batch.search_args, config=config)
+    want = reference.select_blocks(*batch.search_args, config=config)
+    assert got.layout.total_q_blocks > 2 * 16
+    torch.testing.assert_close(got.scores, want.scores, atol=1e-4, rtol=1e-3)
+    out, lse = sparse_prefill_attention(*batch.args, config=config, out=poisoned_out(batch.q))
+    masked, masked_lse = reference.block_masked_attention(*batch.args, got)
+    assert torch.isfinite(out).all() and rel_err(out, masked) < TOL[batch.q.dtype]
+    torch.testing.assert_close(lse, masked_lse, atol=1e-3, rtol=1e-4)
 
 
 def test_mass_targeted_cut_keeps_the_target_share():
@@ -273,6 +310,9 @@ def test_bad_inputs_raise_clear_errors():
         (dict(block_size=64, query_stride=8), "fewer than 16"),
         (dict(mean_correction=1), "bool"),
         (dict(min_q_len=1.5), "int"),
+        (dict(estimator="mean"), "estimator"),
+        (dict(estimator=1), "string"),
+        (dict(exact_rows=3), "exact_rows"),
     ],
 )
 def test_config_validation(changes, message):
@@ -317,3 +357,20 @@ def test_split_kv_is_chosen_where_it_measured_faster(q_len, k_len, heads, split)
     layout = layout_module.BatchLayout.build(cu, torch.tensor([k_len], dtype=torch.int32), config, "cpu")
     assert layout.long_rows.numel() == 1
     assert triton_kernels.split_pays(layout, heads, sms=132) is split
+
+
+@pytest.mark.parametrize(
+    "q_len, k_len, kv_heads, splits",
+    [
+        (131072, 131072, 8, 2),  # a fresh 128K prompt, 32 query heads: 256 tiles x heads, just short of 2 waves
+        (16384, 131072, 3, 22),  # a 16K chunk after a 112K prefix, SmolLM2's heads: 12 programs without a split
+        (16384, 16384, 3, 16),  # ranges of at least 8 key blocks
+    ],
+)
+def test_exact_estimate_splits_the_keys_where_tiles_are_few(q_len, k_len, kv_heads, splits):
+    config = SparsePrefillConfig(estimator="exact")
+    layout = layout_module.BatchLayout.build(
+        torch.tensor([0, q_len], dtype=torch.int32), torch.tensor([k_len], dtype=torch.int32), config, "cpu"
+    )
+    tiles = -(-layout.total_q_blocks // (triton_kernels.EXACT_TILE_ROWS // 4))
+    assert triton_kernels.exact_splits(layout, tiles * kv_heads, sms=132) == splits

@@ -129,3 +129,20 @@ def test_aged_remaining_reaches_zero_at_the_aging_bound():
     assert aged_remaining(1000, 15.0, 30.0) == 500
     assert aged_remaining(1000, 45.0, 30.0) == 0
     assert aged_remaining(-5, 0.0, 30.0) == 0
+
+
+def test_budget_stats_report_what_the_target_did(monkeypatch, caplog):
+    monkeypatch.setenv("PREFILL_ACCEL_BUDGET_STATS", "3")
+    budget = fitted_budget(5.0)
+    with caplog.at_level("INFO", logger="prefill_accel.scheduling"):
+        for _ in range(3):
+            budget.start(decode_tokens=3, decode_pairs=3 * 600)
+            budget.charge(90000, budget.limit_tokens(90000, 4096))  # refused: the context read does not fit
+            budget.charge(0, budget.limit_tokens(0, 300))  # a chat prompt fits whole
+        budget.start(decode_tokens=3, decode_pairs=3 * 600)  # the fourth step logs the three before it
+    [line] = [r.getMessage() for r in caplog.records if "step-latency budget" in r.getMessage()]
+    assert "last 3 timed steps: 6 prefill chunks, 3 capped, 3 refused, 0 at the floor" in line
+    assert "900 of 13188 tokens granted" in line
+    monkeypatch.setenv("PREFILL_ACCEL_BUDGET_STATS", "often")
+    with pytest.raises(ValueError, match="PREFILL_ACCEL_BUDGET_STATS"):
+        fitted_budget(5.0)

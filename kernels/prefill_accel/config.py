@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 
 SUPPORTED_BLOCK_SIZES = (64, 128, 256)
+ESTIMATORS = ("pooled", "exact")
+EXACT_ROWS = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,13 @@ class SparsePrefillConfig:
     min_q_len: int = 16384
     """Sequences whose query length in this step is below this are computed dense."""
     query_stride: int = 4
-    """The search scores every ``query_stride``-th query row of a block (1 scores all rows)."""
+    """The pooled estimate scores every ``query_stride``-th query row of a block (1 scores all rows)."""
+    estimator: str = "pooled"
+    """How the search estimates a key block's share of a query block's attention: ``"pooled"``
+    scores sampled query rows against each key block's mean key; ``"exact"`` takes the exact
+    attention of ``exact_rows`` query rows per block (its last row among them) over every key."""
+    exact_rows: int = 1
+    """Query rows per block of the exact estimate (1, 2, 4 or 8, evenly spaced, the last row included)."""
     mean_correction: bool = False
     """Pruned key blocks fully visible to a query block contribute through their mean key and value."""
 
@@ -49,6 +57,8 @@ class SparsePrefillConfig:
                 raise TypeError(f"SparsePrefillConfig.{field.name} must be a bool, got {value!r}")
             if field.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"SparsePrefillConfig.{field.name} must be an int, got {value!r}")
+            if field.type in ("str", str) and not isinstance(value, str):
+                raise TypeError(f"SparsePrefillConfig.{field.name} must be a string, got {value!r}")
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
             raise ValueError(
                 f"SparsePrefillConfig.block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}"
@@ -67,6 +77,10 @@ class SparsePrefillConfig:
                 f"SparsePrefillConfig.query_stride must be >= 1 and divide block_size={self.block_size}, "
                 f"got {self.query_stride}"
             )
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"SparsePrefillConfig.estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
+        if self.exact_rows not in EXACT_ROWS:
+            raise ValueError(f"SparsePrefillConfig.exact_rows must be one of {EXACT_ROWS}, got {self.exact_rows}")
         if self.block_size // self.query_stride < 16:
             raise ValueError(
                 f"SparsePrefillConfig.query_stride={self.query_stride} leaves fewer than 16 scored rows per "

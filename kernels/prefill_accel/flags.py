@@ -19,7 +19,7 @@ KERNEL_FIELD = {"min_len": "min_q_len"}
 # Suffixes in the order of --help; `dense_layers` is the engine's, the others the kernel's.
 SUFFIXES = (
     "threshold", "target_mass", "min_len", "dense_layers", "block_size", "sink_blocks", "local_blocks",
-    "last_query_blocks", "query_stride", "mean_correction",
+    "last_query_blocks", "query_stride", "estimator", "exact_rows", "mean_correction",
 )  # fmt: skip
 
 

@@ -100,17 +100,44 @@ def pooled_blocks(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch
 
 
 def _scored_rows(layout: BatchLayout, config: SparsePrefillConfig, qb: int) -> tuple[int, int, list[int]]:
-    """Sequence, block position and the absolute query positions the search scores for query block qb."""
+    """Sequence, block position and the absolute query positions the search scores for query block qb.
+
+    The pooled estimate scores every ``query_stride``-th row of the block; the exact estimate
+    ``exact_rows`` evenly spaced rows ending at the block's last row, a row past the sequence's end
+    moved to its last position (once)."""
     seq = int(layout.qblock_seq[qb])
     pos = int(layout.qblock_pos[qb])
     k_len, q_len = layout.k_lens[seq], layout.q_lens[seq]
-    block, stride = config.block_size, config.query_stride
-    rows = [
-        p
-        for p in range(pos * block + stride - 1, (pos + 1) * block, stride)
-        if k_len - q_len <= p < k_len
-    ]
+    block = config.block_size
+    if config.estimator == "exact":
+        stride = block // config.exact_rows
+        candidates = sorted({min(pos * block + (i + 1) * stride - 1, k_len - 1) for i in range(config.exact_rows)})
+    else:
+        stride = config.query_stride
+        candidates = range(pos * block + stride - 1, (pos + 1) * block, stride)
+    rows = [p for p in candidates if k_len - q_len <= p < k_len]
     return seq, pos, rows
+
+
+def _pooled_estimate(q_rows, mean_keys, sizes, scale):
+    """(Hkv, blocks): softmax over the blocks of each row against the blocks' mean keys (+ ln of
+    their lengths), averaged over the rows and the query heads of the group; q_rows (R, Hkv, G, D)."""
+    logits = torch.einsum("rhgd,jhd->hrgj", q_rows, mean_keys) * scale + torch.log(sizes)
+    return torch.softmax(logits, dim=-1).mean(dim=(1, 2))
+
+
+def _exact_estimate(q_rows, keys, rows, block, scale):
+    """(Hkv, blocks): each row's exact causal attention summed per key block, averaged over the rows
+    and the query heads of the group; q_rows (R, Hkv, G, D) at absolute positions ``rows``."""
+    length = keys.shape[0]
+    logits = torch.einsum("rhgd,khd->hrgk", q_rows, keys) * scale
+    key_pos = torch.arange(length, device=keys.device)
+    row_pos = torch.tensor(rows, device=keys.device)
+    logits = logits.masked_fill(key_pos[None, None, None, :] > row_pos[None, :, None, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).mean(dim=(1, 2))  # (Hkv, length)
+    n_blocks = -(-length // block)
+    padded = torch.nn.functional.pad(probs, (0, n_blocks * block - length))
+    return padded.view(probs.shape[0], n_blocks, block).sum(-1)
 
 
 def mass_cut(estimate: torch.Tensor, target: float) -> torch.Tensor:
@@ -135,12 +162,14 @@ def select_blocks(
 ) -> BlockIndex:
     """Reference block-importance search; the Triton selection kernel computes the same index.
 
-    For query block i, KV head h and causal key block j the estimate is the mean over the scored
-    query rows r and the query heads g of the group of softmax_j(scale * q_rg . mean_key_j + ln n_j),
-    where n_j is the block's length: each row's attention over the blocks, with each block
-    summarised by its mean key. A block is kept when its estimate is >= threshold x the row maximum,
-    or (with target_mass > 0) it is among the fewest largest estimates holding target_mass, or it
-    is a sink block, a local block, the diagonal block, or the query block is dense.
+    For query block i, KV head h and causal key block j the estimate is a mean over the scored
+    query rows r and the query heads g of the group. With the pooled estimator it averages
+    softmax_j(scale * q_rg . mean_key_j + ln n_j), where n_j is the block's length: each row's
+    attention over the blocks, with each block summarised by its mean key. With the exact one it
+    averages the row's exact causal attention mass on the keys of block j. A block is kept when
+    its estimate is >= threshold x the row maximum, or (with target_mass > 0) it is among the
+    fewest largest estimates holding target_mass, or it is a sink block, a local block, the
+    diagonal block, or the query block is dense.
     """
     layout = BatchLayout.build(cu_seqlens_q, seqlens_k, config, q.device)
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -151,23 +180,26 @@ def select_blocks(
     scores = torch.zeros(layout.total_q_blocks, num_kv, n_blocks, dtype=torch.float32, device=q.device)
     keep = torch.zeros(layout.total_q_blocks, num_kv, n_blocks, dtype=torch.bool, device=q.device)
     cu_q = cu_seqlens_q.tolist()
-    pooled = {}
+    keys_of, pooled = {}, {}
     for qb in range(layout.total_q_blocks):
         seq, pos, rows = _scored_rows(layout, config, qb)
         causal = slice(0, pos + 1)
         if layout.qblock_dense[qb] or not rows:
             keep[qb, :, causal] = True
             continue
-        if seq not in pooled:
-            keys = gather_kv(k_cache, page_table, seq, layout.k_lens[seq]).to(compute_dtype)
-            pooled[seq] = pooled_blocks(keys, config.block_size)
-        mean_keys, sizes = pooled[seq]
+        if seq not in keys_of:
+            keys_of[seq] = gather_kv(k_cache, page_table, seq, layout.k_lens[seq]).to(compute_dtype)
         prefix = layout.k_lens[seq] - layout.q_lens[seq]
         q_rows = q[[cu_q[seq] + p - prefix for p in rows]].to(compute_dtype)  # (R, Hq, D)
         q_rows = q_rows.view(len(rows), num_kv, group, head_dim)
-        logits = torch.einsum("rhgd,jhd->hrgj", q_rows, mean_keys[causal]) * scale
-        logits = logits + torch.log(sizes[causal])
-        estimate = torch.softmax(logits, dim=-1).mean(dim=(1, 2))  # (Hkv, pos + 1)
+        if config.estimator == "exact":
+            keys = keys_of[seq][: max(rows) + 1]
+            estimate = _exact_estimate(q_rows, keys, rows, config.block_size, scale)[:, causal]
+        else:
+            if seq not in pooled:
+                pooled[seq] = pooled_blocks(keys_of[seq], config.block_size)
+            mean_keys, sizes = pooled[seq]
+            estimate = _pooled_estimate(q_rows, mean_keys[causal], sizes[causal], scale)  # (Hkv, pos + 1)
         scores[qb, :, causal] = estimate.float()
         cut = config.threshold * estimate.amax(dim=-1, keepdim=True)
         if config.target_mass > 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -240,6 +241,8 @@ UNREACHABLE_STEPS = 100
 STARVATION_STEPS = 128
 
 logger = logging.getLogger(__name__)
+# PREFILL_ACCEL_BUDGET_STATS=N: every N timed steps, one INFO line on how the target capped prefills.
+BUDGET_STATS_ENV = "PREFILL_ACCEL_BUDGET_STATS"
 
 
 class PrefillTime:
@@ -268,6 +271,7 @@ class PrefillTime:
         self._starved_steps = 0
         self._steps_over_target = 0
         self._warned = False
+        self.stats = BudgetStats.from_env()
 
     def start(self, decode_tokens: int, decode_pairs: int) -> None:
         """A new step carrying these decodes: with a target and a fitted model, prefills get the time
@@ -279,6 +283,8 @@ class PrefillTime:
         if self.target_s is None or not decode_tokens or not self.model.ready:
             return
         self.seconds_left = self.target_s - self.model.predict(decode_tokens, decode_pairs)
+        if self.stats is not None:
+            self.stats.step(self.seconds_left, self.model.coefficients)
         self._steps_over_target = self._steps_over_target + 1 if self.seconds_left <= 0.0 else 0
         if self._steps_over_target == UNREACHABLE_STEPS and not self._warned:
             self._warned = True
@@ -305,11 +311,17 @@ class PrefillTime:
             return num_new_tokens
         if floor_each or self._prefill_granted == 0:
             if self._starved_steps >= STARVATION_STEPS:
+                if self.stats is not None:
+                    self.stats.released += 1
                 return num_new_tokens
             if self.seconds_left <= 0.0:
                 allowed = max(allowed, self.min_prefill_tokens)
+                if self.stats is not None:
+                    self.stats.floored += 1
         if allowed == 0:
             self._refused = True
+        if self.stats is not None:
+            self.stats.chunk(num_new_tokens, min(num_new_tokens, allowed))
         return min(num_new_tokens, allowed)
 
     def charge(self, context: int, num_tokens: int) -> None:
@@ -318,3 +330,57 @@ class PrefillTime:
             return
         self.seconds_left -= self.model.chunk_seconds(num_tokens, context)
         self._prefill_granted += num_tokens
+
+
+class BudgetStats:
+    """What the step-latency target did to prefill chunks, logged every ``every`` timed steps (set
+    PREFILL_ACCEL_BUDGET_STATS=N; on the engine's log, at INFO whatever the root logger's level)."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self._reset()
+
+    def _reset(self) -> None:
+        self.steps = self.chunks = self.capped = self.refused = self.floored = self.released = 0
+        self.requested = self.granted = 0
+        self.over_target = 0
+        self.min_left_s = math.inf
+
+    @classmethod
+    def from_env(cls) -> "BudgetStats | None":
+        value = os.environ.get(BUDGET_STATS_ENV, "")
+        if not value:
+            return None
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{BUDGET_STATS_ENV} must be a positive number of steps, got {value!r}")
+        logger.setLevel(logging.INFO)
+        if not logger.hasHandlers():
+            logger.addHandler(logging.StreamHandler())
+        return cls(int(value))
+
+    def chunk(self, requested: int, granted: int) -> None:
+        self.chunks += 1
+        self.requested += requested
+        self.granted += granted
+        self.capped += granted < requested
+        self.refused += granted == 0
+
+    def step(self, seconds_left: float, coefficients: tuple[float, ...]) -> None:
+        """Count a new timed step; once ``every`` steps are complete, first log them (their counts and
+        the fitted model) and start over."""
+        if self.steps == self.every:
+            self._log(coefficients)
+            self._reset()
+        self.steps += 1
+        self.over_target += seconds_left <= 0.0
+        self.min_left_s = min(self.min_left_s, seconds_left)
+
+    def _log(self, coefficients: tuple[float, ...]) -> None:
+        c0, c1, c2, c3 = coefficients
+        logger.info(
+            "step-latency budget, last %d timed steps: %d prefill chunks, %d capped, %d refused, %d at the "
+            "floor, %d starvation releases; %d of %d tokens granted; decodes over the target in %d steps, "
+            "least prefill time left %.2f ms; model c0 %.3f ms, c1 %.3g ms/token, c2 %.3g ms/pair, c3 %.3g ms/key",
+            self.steps, self.chunks, self.capped, self.refused, self.floored, self.released, self.granted,
+            self.requested, self.over_target, self.min_left_s * 1e3, c0 * 1e3, c1 * 1e3, c2 * 1e3, c3 * 1e3,
+        )  # fmt: skip

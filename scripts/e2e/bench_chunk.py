@@ -62,7 +62,7 @@ def time_chunk(name: str, q, k_cache, v_cache, table, cu, seqlens, config, scale
     layout = BatchLayout.build(cu.cpu(), seqlens.cpu(), config, q.device)
     index = select_blocks(q, k_cache, table, cu, seqlens, config=config, softmax_scale=scale)
     row = {
-        "input": name, "length": length, "chunk": chunk, "heads": q.shape[1], "kv_heads": k_cache.shape[2],
+        "input": name, "estimator": config.estimator, "length": length, "chunk": chunk, "heads": q.shape[1], "kv_heads": k_cache.shape[2],
         "head_dim": q.shape[2], "density": index.density(),
         "fa3_ms": cuda_time(fa3, repeats),
         "select_ms": cuda_time(lambda: select_blocks(q, k_cache, table, cu, seqlens, config=config,
@@ -97,31 +97,34 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--estimators", default="pooled,exact", help="block-importance estimators to time")
     parser.add_argument("--real", nargs="*", default=[], help="captured q/k/v .pt files (accuracy harness)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    config = SparsePrefillConfig(min_q_len=0)
+    configs = [SparsePrefillConfig(min_q_len=0, estimator=name) for name in args.estimators.split(",")]
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
-        q, k, v = structured_qkv(length, args.heads, args.kv_heads, args.head_dim, config.block_size,
+        q, k, v = structured_qkv(length, args.heads, args.kv_heads, args.head_dim, configs[0].block_size,
                                  torch.bfloat16, seed=length)  # fmt: skip
         inputs = chunk_inputs(q, k, v, args.chunk, args.page_size)
-        rows.append(time_chunk("structured", *inputs, config, args.head_dim**-0.5, args.repeats))
-        print(json.dumps(rows[-1]), flush=True)
+        for config in configs:
+            rows.append(time_chunk("structured", *inputs, config, args.head_dim**-0.5, args.repeats))
+            print(json.dumps(rows[-1]), flush=True)
     for path in map(Path, args.real):
         data = torch.load(path, map_location="cuda")
         q, k, v = (data[name].to(torch.bfloat16).contiguous() for name in ("q", "k", "v"))
         chunk = min(args.chunk, q.shape[0] // 2)
         inputs = chunk_inputs(q, k, v, chunk, args.page_size)
         scale = data.get("scale") or q.shape[2] ** -0.5
-        rows.append(time_chunk(path.name, *inputs, config, scale, args.repeats))
-        print(json.dumps(rows[-1]), flush=True)
+        for config in configs:
+            rows.append(time_chunk(path.name, *inputs, config, scale, args.repeats))
+            print(json.dumps(rows[-1]), flush=True)
 
-    print("\n| input | length | chunk | density | FA3 ms | search ms | attention ms | ours ms (layout) | vs FA3 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| input | length | chunk | estimator | density | FA3 ms | search ms | attention ms | ours ms (layout) | vs FA3 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['input']} | {r['length']} | {r['chunk']} | {r['density']:.3f} | {r['fa3_ms']:.3f} | "
+        print(f"| {r['input']} | {r['length']} | {r['chunk']} | {r['estimator']} | {r['density']:.3f} | {r['fa3_ms']:.3f} | "
               f"{r['select_ms']:.3f} | {r['attention_ms']:.3f} | {r['total_ms']:.3f} ({r['total_layout_ms']:.3f}) | "
               f"{r['speedup_vs_fa3']:.2f}x |")  # fmt: skip
     if args.out:

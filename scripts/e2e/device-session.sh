@@ -6,7 +6,8 @@
 # Usage (after the pieces of scripts/e2e/stage.sh are in /tmp/stage):
 #   (setsid nohup bash scripts/e2e/device-session.sh --phases offline,chunk > /tmp/e2e/run.log 2>&1 &)
 #   bash scripts/e2e/device-wait.sh 560        (again as needed)
-# Bench settings: BENCH_LENGTHS, BENCH_DENSITIES, BENCH_SMALL_LENGTHS (SmolLM2's shape: 9/3 heads, d=64).
+# Bench settings: BENCH_LENGTHS, BENCH_DENSITIES, BENCH_SMALL_LENGTHS (SmolLM2's shape: 9/3 heads, d=64);
+# BENCH_TILES=1 adds the tile sweep; ACCURACY_RUNS (below) adds accuracy-harness runs after the install.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 mkdir -p /tmp/e2e/out
@@ -20,14 +21,28 @@ cd "$repo"
 export PYTHONUNBUFFERED=1
 echo "== bench_kernels.py: 32 / 8 heads, head_dim 128, tile sweep"
 python3 scripts/bench_kernels.py --lengths "${BENCH_LENGTHS:-8192,32768,131072}" \
-  --densities "${BENCH_DENSITIES:-0.02,0.05}" --repeats 5 --tiles --out /tmp/e2e/out/bench-d128.json
+  --densities "${BENCH_DENSITIES:-0.02,0.05}" --repeats 5 ${BENCH_TILES:+--tiles} --out /tmp/e2e/out/bench-d128.json
 echo "== bench_kernels.py: SmolLM2's shape, 9 / 3 heads, head_dim 64, tile sweep"
 python3 scripts/bench_kernels.py --skip-check --heads 9 --kv-heads 3 --head-dim 64 \
-  --lengths "${BENCH_SMALL_LENGTHS:-32768,131072}" --densities 0.02 --repeats 5 --tiles --out /tmp/e2e/out/bench-d64.json
+  --lengths "${BENCH_SMALL_LENGTHS:-32768,131072}" --densities 0.02 --repeats 5 ${BENCH_TILES:+--tiles} --out /tmp/e2e/out/bench-d64.json
 
 wait "$install"
 echo "== install: $(cat /tmp/e2e/install.done 2>/dev/null)"
 cat /tmp/e2e/install.log
+
+# ACCURACY_RUNS: ';'-separated argument lists of the accuracy harness (python -m prefill_accel.accuracy),
+# run on the staged GGUF models with the gguf package of the staged wheels, before the engine phases.
+IFS=';' read -ra accuracy_runs <<< "${ACCURACY_RUNS:-}"
+n=0
+for run_args in "${accuracy_runs[@]}"; do
+  [[ -n "${run_args// }" ]] || continue
+  n=$((n + 1))
+  echo "== accuracy $n: $run_args"
+  # shellcheck disable=SC2086  # the run's arguments are split on purpose
+  PYTHONPATH="/tmp/bundle/gguf-only:$repo/kernels" python3 -m prefill_accel.accuracy --device cuda \
+    --cache-dir /tmp/bundle/cache/models --out "/tmp/e2e/out/accuracy-$n.json" $run_args 2>&1 \
+    | grep -v "Converting\|Loading weights"
+done
 rm -f /tmp/e2e/out/results-none.json /tmp/e2e/out/report-none.md
 cd "$root"
 bash scripts/e2e/device-run.sh "$@"

@@ -195,9 +195,34 @@ def engine_kwargs(model: str, *, max_model_len: int, chunk: int, eager: bool, tp
     return kwargs
 
 
+SPARSE_FLAGS: dict[str, object] = {}
+"""--sparse-flag values: every patched engine of the run gets them, under a stage's own values."""
+
+
 def sparse(**flags) -> dict:
     """Engine kwargs that select the SPARSE_PREFILL backend with the given --sparse-prefill-* values."""
+    flags = {**SPARSE_FLAGS, **flags}
     return {"attention_backend": "SPARSE_PREFILL", **{f"sparse_prefill_{k}": v for k, v in flags.items()}}
+
+
+def sparse_flags_note() -> str:
+    """`` with --sparse-prefill-estimator=exact ...`` for the run's --sparse-flag values, else empty."""
+    return "".join(f" with --sparse-prefill-{k.replace('_', '-')}={v}" for k, v in SPARSE_FLAGS.items())
+
+
+def parse_sparse_flag(text: str) -> tuple[str, object]:
+    """``estimator=exact`` -> ("estimator", "exact"); numbers and true/false are converted."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (a --sparse-prefill-* suffix), got {text!r}")
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return name, kind(value)
+        except ValueError:
+            pass
+    return name, value
 
 
 # --------------------------------------------------------------------------------------------- prompts
@@ -399,7 +424,8 @@ def offline_ttft_stage(results: dict, gpus: str, lengths: list[int], repeats: in
         up.close()
         pa.close()
     results["offline_ttft"] = {"model": "smollm2", "engine": "LLM, chunked prefill 16384, prefix caching on, "
-                               "CUDA graphs + torch.compile (defaults); patched: default sparse config",
+                               "CUDA graphs + torch.compile (defaults); patched: default sparse config"
+                               + sparse_flags_note(),
                                "by_length": table}  # fmt: skip
 
 
@@ -511,7 +537,7 @@ def serve_phase(results: dict, gpus: str, args) -> None:
             table = ttft_pairs(up, pa, served_ttft, args.lengths, args.repeats, corpus, 500)
         results["serve_ttft"] = {"model": "smollm2", "engine": "vllm serve, streaming /v1/completions, "
                                  "--max-num-batched-tokens 16384 both sides; patched: --attention-backend "
-                                 "SPARSE_PREFILL, default sparse config", "by_length": table}  # fmt: skip
+                                 "SPARSE_PREFILL, default sparse config" + sparse_flags_note(), "by_length": table}  # fmt: skip
 
     run_stage(results, "serve_ttft", ttft)
     run_stage(results, "mixed_load", lambda: mixed_stage(results, gpus, tok, corpus, model, args))
@@ -554,7 +580,8 @@ def mixed_stage(results: dict, gpus: str, tok, corpus: Corpus, model: Path, args
         target = max(round(1.3 * table["upstream defaults"]["unloaded"]["itl_p99_ms"], 1), 4.0)
     # Chunks stay below --sparse-prefill-min-len here: on this model the sparse path does not pay
     # off below 16K-token chunks (chunk_bench), so the scheduler flags are what this run compares.
-    flags = ["--attention-backend", "SPARSE_PREFILL", "--max-num-partial-prefills", "4",
+    backend = [] if args.mixed_backend == "default" else ["--attention-backend", args.mixed_backend]
+    flags = [*backend, "--max-num-partial-prefills", "4",
              "--max-long-partial-prefills", "1", "--long-prefill-token-threshold", "4096",
              "--prefill-order", "srpf", "--max-step-latency-ms", str(target)]  # fmt: skip
     with serving("mixed-patched", "patched", gpus, model, 8104, flags) as ours:
@@ -600,7 +627,8 @@ def tp_phase(results: dict, gpus: str, args) -> None:
             up.close()
             pa.close()
         results["tp2_ttft"] = {"model": "gemma3", "tp": 2, "engine": "LLM, TP=2, chunked prefill 16384, defaults; "
-                               "patched: default sparse config (3 of 18 layers full attention)", "by_length": table}
+                               "patched: default sparse config (3 of 18 layers full attention)" + sparse_flags_note(),
+                               "by_length": table}
 
     run_stage(results, "tp2_ttft", ttft)
 
@@ -697,12 +725,17 @@ def main() -> None:
     parser.add_argument("--mixed-seconds", type=float, default=20.0)
     parser.add_argument("--mixed-target-ms", type=float, help="--max-step-latency-ms of the patched mixed-load "
                         "server; given, the upstream server is not run (default: 1.3x its unloaded ITL p99)")
+    parser.add_argument("--mixed-backend", default="SPARSE_PREFILL", help="--attention-backend of the patched "
+                        "mixed-load server; 'default' leaves vLLM's choice (the scheduler flags alone)")
     parser.add_argument("--skip", default="", help="comma-separated stage names to leave out (smol_equality, "
                         "gemma_needles, offline_ttft, serve_ttft, mixed_load, chunk_bench, engine_density, "
                         "tp2_equality, tp2_ttft)")  # fmt: skip
+    parser.add_argument("--sparse-flag", type=parse_sparse_flag, action="append", default=[], metavar="NAME=VALUE",
+                        help="a --sparse-prefill-NAME value for every patched engine (repeatable), e.g. estimator=exact")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     SKIP.update(name for name in args.skip.split(",") if name)
+    SPARSE_FLAGS.update(args.sparse_flag)
 
     import torch
 
@@ -714,7 +747,9 @@ def main() -> None:
     global OUT_DIR
     out = OUT_DIR = Path(args.out)
     phases = args.phases.split(",")
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    # Two GPUs run the offline and serve phases side by side; one GPU runs them in turn (their timings
+    # must not share it).
+    with ThreadPoolExecutor(max_workers=2 if gpus > 1 else 1) as pool:
         jobs = []
         if "offline" in phases:
             jobs.append(pool.submit(run_stage, results, "offline", lambda: offline_phase(results, "0", args)))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import SparsePrefillConfig
+from ..config import ESTIMATORS, SparsePrefillConfig
 from .attention import BACKENDS, PAGE_SIZES
 from .harness import ConfigResult, Harness, capture_qkv
 from .models import MODELS
@@ -26,6 +26,19 @@ def _ints(text: str) -> list[int]:
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _choices(allowed: tuple[str, ...]):
+    """A comma-separated list parser that accepts only ``allowed`` names."""
+
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        unknown = [name for name in names if name not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(allowed)}")
+        return names
+
+    return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,6 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     sparse.add_argument("--min-q-len", type=int, default=defaults.min_q_len,
                         help="shorter prompts run dense; set 0 to make short prompts sparse")  # fmt: skip
     sparse.add_argument("--query-stride", type=int, default=defaults.query_stride)
+    sparse.add_argument("--estimator", type=_choices(ESTIMATORS), default=[defaults.estimator],
+                        help=f"block-importance estimators to sweep, comma-separated ({', '.join(ESTIMATORS)})")
+    sparse.add_argument("--exact-rows", type=int, default=defaults.exact_rows,
+                        help="query rows per block of the exact estimator")  # fmt: skip
     sparse.add_argument("--mean-correction", action=argparse.BooleanOptionalAction, default=defaults.mean_correction)
     sparse.add_argument("--compare-mean-correction", action="store_true",
                         help="run every configuration with and without mean correction")  # fmt: skip
@@ -87,8 +104,9 @@ def sweep_configs(args: argparse.Namespace) -> list[SparsePrefillConfig]:
             block_size=block, threshold=threshold, target_mass=mass, sink_blocks=args.sink_blocks,
             local_blocks=args.local_blocks,
             last_query_blocks=args.last_query_blocks, min_q_len=args.min_q_len, query_stride=args.query_stride,
-            mean_correction=correction,
+            mean_correction=correction, estimator=estimator, exact_rows=args.exact_rows,
         )  # fmt: skip
+        for estimator in args.estimator
         for block in args.block_size
         for threshold in (args.thresholds if args.thresholds is not None else [args.threshold])
         for mass in args.target_mass
@@ -100,9 +118,16 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _estimator(config: dict) -> str:
+    """``pooled`` or ``exact1`` (the exact estimate with its rows per block), for the tables."""
+    if config.get("estimator", "pooled") == "exact":
+        return f"exact{config['exact_rows']}"
+    return "pooled"
+
+
 def summary_table(results: list[ConfigResult]) -> str:
     header = (
-        f"{'len':>6} {'block':>5} {'thresh':>7} {'mass':>5} {'mc':>2} {'density':>7} {'KL mean':>9} {'KL max':>9} "
+        f"{'len':>6} {'est':>6} {'block':>5} {'thresh':>7} {'mass':>5} {'mc':>2} {'density':>7} {'KL mean':>9} {'KL max':>9} "
         f"{'err mean':>8} {'err max':>8} {'recall':>7} {'dens@an':>7} {'oracle':>7} {'orc@95':>7} "
         f"{'needle d/s':>10} {'sec':>6}"
     )
@@ -110,7 +135,7 @@ def summary_table(results: list[ConfigResult]) -> str:
     for r in results:
         needle = "-" if r.needle_dense is None else f"{r.needle_dense:.2f}/{r.needle_sparse:.2f}"
         lines.append(
-            f"{r.length:>6} {r.config['block_size']:>5} {r.config['threshold']:>7.4g} {r.config['target_mass']:>5.3g} "
+            f"{r.length:>6} {_estimator(r.config):>6} {r.config['block_size']:>5} {r.config['threshold']:>7.4g} {r.config['target_mass']:>5.3g} "
             f"{'y' if r.config['mean_correction'] else 'n':>2} {r.density:>7.4f} {r.kl:>9.2e} {r.kl_max:>9.2e} "
             f"{r.rel_err_mean:>8.4f} {r.rel_err_max:>8.4f} {_fmt(r.recall, '7.4f')} "
             f"{_fmt(r.analysed_density, '7.4f')} {_fmt(r.oracle_density, '7.4f')} "

@@ -56,12 +56,13 @@ def test_flags_parse_into_server_args():
     args = server_args(
         "--prefill-attention-backend", "sparse_prefill", "--attention-backend", "triton",
         "--sparse-prefill-min-len", "8192", "--sparse-prefill-dense-layers", "2",
-        "--sparse-prefill-threshold", "0.01", "--sparse-prefill-mean-correction",
+        "--sparse-prefill-threshold", "0.01", "--sparse-prefill-mean-correction", "--sparse-prefill-estimator", "exact",
         "--max-consecutive-prefill-batches", "3", "--schedule-policy", "srpf", "--prefill-aging-s", "12.5",
     )
     assert args.get_attention_backends() == ("sparse_prefill", "triton")
     assert (args.sparse_prefill_min_len, args.sparse_prefill_dense_layers) == (8192, 2)
     assert (args.sparse_prefill_threshold, args.sparse_prefill_mean_correction) == (0.01, True)
+    assert args.sparse_prefill_estimator == "exact"
     assert (args.max_consecutive_prefill_batches, args.schedule_policy, args.prefill_aging_s) == (3, "srpf", 12.5)
 
 

@@ -339,13 +339,15 @@ print("RESULTS" + json.dumps(results))
 
 FLAG_CASES = {
     "given": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-threshold", "0.01", "--sparse-prefill-min-len",
-              "4096", "--sparse-prefill-dense-layers", "2", "--sparse-prefill-mean-correction"],
+              "4096", "--sparse-prefill-dense-layers", "2", "--sparse-prefill-mean-correction",
+              "--sparse-prefill-estimator", "exact", "--sparse-prefill-exact-rows", "2"],
     "defaults": ["--attention-backend", "SPARSE_PREFILL"],
     "json_and_flag": ["--attention-backend", "SPARSE_PREFILL", "-ac", '{"sparse_prefill_sink_blocks": 3}',
                       "--sparse-prefill-local-blocks", "5"],
     "bad_threshold": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-threshold", "2"],
     "bad_block_size": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-block-size", "100"],
     "bad_stride": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-query-stride", "5"],
+    "bad_estimator": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-estimator", "mean"],
     "min_len_below_block": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-min-len", "32"],
     "bad_dense_layers": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-dense-layers", "-1"],
     "other_backend": ["--sparse-prefill-threshold", "0.01"],
@@ -382,10 +384,13 @@ def test_flags_reach_the_attention_config_and_are_logged_once(flag_results):
     assert given["config"]["sparse_prefill_min_len"] == 4096
     assert given["config"]["sparse_prefill_dense_layers"] == 2
     assert given["config"]["sparse_prefill_mean_correction"] is True
+    assert given["config"]["sparse_prefill_estimator"] == "exact"
+    assert given["config"]["sparse_prefill_exact_rows"] == 2
     [(level, message)] = given["log"]
     assert level == "INFO"
     for text in ("--sparse-prefill-threshold=0.01", "--sparse-prefill-min-len=4096", "--sparse-prefill-dense-layers=2",
-                 "--sparse-prefill-mean-correction=True", "--sparse-prefill-block-size=128"):
+                 "--sparse-prefill-mean-correction=True", "--sparse-prefill-block-size=128",
+                 "--sparse-prefill-estimator=exact", "--sparse-prefill-exact-rows=2"):
         assert text in message
     assert flag_results["defaults"]["config"]["sparse_prefill_threshold"] == AttentionConfig.sparse_prefill_threshold
 
@@ -401,6 +406,7 @@ def test_flags_override_the_attention_config_json(flag_results):
         ("bad_threshold", "--sparse-prefill-threshold"),
         ("bad_block_size", "--sparse-prefill-block-size"),
         ("bad_stride", "--sparse-prefill-query-stride"),
+        ("bad_estimator", "--sparse-prefill-estimator"),
         ("min_len_below_block", "--sparse-prefill-min-len"),
         ("bad_dense_layers", "--sparse-prefill-dense-layers"),
     ],

@@ -199,11 +199,12 @@ def test_flags_parse_validate_and_log(monkeypatch):
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = EngineArgs.from_cli_args(parser.parse_args(
         ["--sparse-prefill-threshold", "0.01", "--sparse-prefill-min-len", "8192",
-         "--sparse-prefill-mean-correction"]))
+         "--sparse-prefill-mean-correction", "--sparse-prefill-estimator", "exact"]))
     monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "SPARSE_PREFILL")
     log = Log()
     settings = check_sparse_prefill_flags(args, log)
     assert (settings.kernel.threshold, settings.kernel.min_q_len, settings.kernel.mean_correction) == (0.01, 8192, True)
+    assert settings.kernel.estimator == "exact"
     assert log.lines[0][0] == "info" and "--sparse-prefill-min-len=8192" in log.lines[0][1]
     bad = EngineArgs.from_cli_args(parser.parse_args(["--sparse-prefill-block-size", "100"]))
     with pytest.raises(ValueError, match="--sparse-prefill-block-size"):
