@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -281,6 +282,16 @@ def test_layer_past_the_dense_layers_goes_sparse(backend):
     query, kv_cache, block_table, seq_lens = paged_batch(batch, 4, 2)
     run_forward(impl, query, kv_cache, metadata_for(batch, block_table, seq_lens), layer("model.layers.4.self_attn.attn"))
     assert backend.sparse_calls == [70] and impl.dense_reason is None
+
+
+def test_builder_hands_back_upstreams_metadata_for_steps_without_a_long_prefill(monkeypatch):
+    """Decode steps and short prefills get upstream's own metadata object: nothing is copied or added."""
+    upstream = object()
+    monkeypatch.setattr(sparse_prefill_attn.FlashAttentionMetadataBuilder, "build", lambda self, *args, **kwargs: upstream)
+    builder = sparse_prefill_attn.SparsePrefillMetadataBuilder.__new__(sparse_prefill_attn.SparsePrefillMetadataBuilder)
+    builder.min_len = MIN_LEN
+    step = types.SimpleNamespace(max_query_len=MIN_LEN - 1)
+    assert builder.build(0, step) is upstream
 
 
 def test_builder_turns_cascade_attention_off_for_steps_with_a_long_prefill():

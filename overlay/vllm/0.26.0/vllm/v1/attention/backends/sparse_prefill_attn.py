@@ -85,14 +85,18 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
         common_prefix_len: int,
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
-    ) -> SparsePrefillMetadata:
+    ) -> FlashAttentionMetadata:
+        """Upstream's metadata, unchanged for a step with no prefill chunk of the minimum length (every
+        decode step, every short prefill); with one, upstream's fields plus the step's runs."""
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         runs = None
         if common_attn_metadata.max_query_len >= self.min_len:
             runs = split_long_prefills(
                 common_attn_metadata.query_start_loc_cpu, common_attn_metadata.num_reqs, self.min_len
             )
-        if runs is not None and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if runs is None:
+            return metadata
+        if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             # Exact for prefill rows, which are all the sparse runs hold; read once per step otherwise.
             seq_lens_cpu = common_attn_metadata.seq_lens_cpu_upper_bound
             if seq_lens_cpu is None:
