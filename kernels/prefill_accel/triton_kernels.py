@@ -33,7 +33,7 @@ SPLIT_BLOCK_N = 64
 HIDDEN_ROW_FACTOR = 2  # see split_pays
 EXACT_TILE_ROWS = 128  # sampled rows (x query heads of a group) sharing one key walk of the exact estimate
 EXACT_WAVES = 2  # see exact_splits
-MIN_EXACT_SPLIT_BLOCKS = 8
+MIN_EXACT_SPLIT_BLOCKS = 8  # 1K keys at block 128: enough walk per range to pay for its share of the merge
 
 
 def _attention_configs() -> list[triton.Config]:
