@@ -63,3 +63,9 @@ def test_sparse_flags_of_the_run_reach_every_patched_engine_under_a_stages_own(d
     assert "--sparse-prefill-estimator=exact" in driver.sparse_flags_note()
     with pytest.raises(Exception, match="NAME=VALUE"):
         driver.parse_sparse_flag("exact")
+
+
+def test_mixed_load_servers_share_the_scheduler_flags_and_differ_in_backend(driver):
+    ours, alone = driver.mixed_flags("SPARSE_PREFILL", 5.5), driver.mixed_flags("default", 5.5)
+    assert ours[:2] == ["--attention-backend", "SPARSE_PREFILL"] and "--attention-backend" not in alone
+    assert ours[2:] == alone and alone[-2:] == ["--max-step-latency-ms", "5.5"]

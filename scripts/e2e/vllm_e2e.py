@@ -580,18 +580,27 @@ def mixed_stage(results: dict, gpus: str, tok, corpus: Corpus, model: Path, args
         target = max(round(1.3 * table["upstream defaults"]["unloaded"]["itl_p99_ms"], 1), 4.0)
     # Chunks stay below --sparse-prefill-min-len here: on this model the sparse path does not pay
     # off below 16K-token chunks (chunk_bench), so the scheduler flags are what this run compares.
-    backend = [] if args.mixed_backend == "default" else ["--attention-backend", args.mixed_backend]
-    flags = [*backend, "--max-num-partial-prefills", "4",
-             "--max-long-partial-prefills", "1", "--long-prefill-token-threshold", "4096",
-             "--prefill-order", "srpf", "--max-step-latency-ms", str(target)]  # fmt: skip
-    with serving("mixed-patched", "patched", gpus, model, 8104, flags) as ours:
-        table["patched, " + " ".join(flags)] = run_mixed(ours, prompts, args)
+    for i, backend in enumerate(args.mixed_backends.split(",")):
+        flags = mixed_flags(backend, target)
+        label = "patched, " + " ".join(flags)
+        label += f" (server {i + 1})" if label in table else ""  # a backend listed twice, for an A/B/A run
+        with serving(f"mixed-patched-{i}", "patched", gpus, model, 8104 + i, flags) as ours:
+            table[label] = run_mixed(ours, prompts, args)
     for row in table.values():
         unloaded, loaded = row["unloaded"], row["loaded"]
         row["ttft_p99_ratio"] = loaded["ttft_p99_ms"] / unloaded["ttft_p99_ms"]
         row["itl_p99_ratio"] = loaded["itl_p99_ms"] / unloaded["itl_p99_ms"]
     results["mixed_load"] = {"model": "smollm2", "long_tokens": len(prompts["long"]), "rate_per_s": args.mixed_rate,
                              "seconds": args.mixed_seconds, "short_max_tokens": 48, "configs": table}  # fmt: skip
+
+
+def mixed_flags(backend: str, target_ms: float) -> list[str]:
+    """The patched mixed-load server's flags: the scheduler's, with ``--attention-backend backend``
+    ('default' leaves vLLM's choice)."""
+    chosen = [] if backend == "default" else ["--attention-backend", backend]
+    return [*chosen, "--max-num-partial-prefills", "4", "--max-long-partial-prefills", "1",
+            "--long-prefill-token-threshold", "4096", "--prefill-order", "srpf",
+            "--max-step-latency-ms", str(target_ms)]  # fmt: skip
 
 
 def run_mixed(server: Server, prompts: dict, args) -> dict:
@@ -725,8 +734,9 @@ def main() -> None:
     parser.add_argument("--mixed-seconds", type=float, default=20.0)
     parser.add_argument("--mixed-target-ms", type=float, help="--max-step-latency-ms of the patched mixed-load "
                         "server; given, the upstream server is not run (default: 1.3x its unloaded ITL p99)")
-    parser.add_argument("--mixed-backend", default="SPARSE_PREFILL", help="--attention-backend of the patched "
-                        "mixed-load server; 'default' leaves vLLM's choice (the scheduler flags alone)")
+    parser.add_argument("--mixed-backends", default="SPARSE_PREFILL", help="comma-separated --attention-backend "
+                        "values, one patched mixed-load server each, in this order, same scheduler flags; "
+                        "'default' leaves vLLM's choice (the scheduler flags alone)")
     parser.add_argument("--skip", default="", help="comma-separated stage names to leave out (smol_equality, "
                         "gemma_needles, offline_ttft, serve_ttft, mixed_load, chunk_bench, engine_density, "
                         "tp2_equality, tp2_ttft)")  # fmt: skip
