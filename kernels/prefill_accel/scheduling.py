@@ -283,8 +283,7 @@ class PrefillTime:
         if self.target_s is None or not decode_tokens or not self.model.ready:
             return
         self.seconds_left = self.target_s - self.model.predict(decode_tokens, decode_pairs)
-        if self.stats is not None:
-            self.stats.step(self.seconds_left, self.model.coefficients)
+        self.stats.step(self.seconds_left, self.model.coefficients)
         self._steps_over_target = self._steps_over_target + 1 if self.seconds_left <= 0.0 else 0
         if self._steps_over_target == UNREACHABLE_STEPS and not self._warned:
             self._warned = True
@@ -311,17 +310,14 @@ class PrefillTime:
             return num_new_tokens
         if floor_each or self._prefill_granted == 0:
             if self._starved_steps >= STARVATION_STEPS:
-                if self.stats is not None:
-                    self.stats.released += 1
+                self.stats.released += 1
                 return num_new_tokens
             if self.seconds_left <= 0.0:
                 allowed = max(allowed, self.min_prefill_tokens)
-                if self.stats is not None:
-                    self.stats.floored += 1
+                self.stats.floored += 1
         if allowed == 0:
             self._refused = True
-        if self.stats is not None:
-            self.stats.chunk(num_new_tokens, min(num_new_tokens, allowed))
+        self.stats.chunk(num_new_tokens, min(num_new_tokens, allowed))
         return min(num_new_tokens, allowed)
 
     def charge(self, context: int, num_tokens: int) -> None:
@@ -334,7 +330,8 @@ class PrefillTime:
 
 class BudgetStats:
     """What the step-latency target did to prefill chunks, logged every ``every`` timed steps (set
-    PREFILL_ACCEL_BUDGET_STATS=N; on the engine's log, at INFO whatever the root logger's level)."""
+    PREFILL_ACCEL_BUDGET_STATS=N; on the engine's log, at INFO whatever the root logger's level).
+    With ``every`` 0 (the variable unset) it only counts, a few integer additions per chunk."""
 
     def __init__(self, every: int) -> None:
         self.every = every
@@ -347,10 +344,10 @@ class BudgetStats:
         self.min_left_s = math.inf
 
     @classmethod
-    def from_env(cls) -> "BudgetStats | None":
+    def from_env(cls) -> "BudgetStats":
         value = os.environ.get(BUDGET_STATS_ENV, "")
         if not value:
-            return None
+            return cls(0)
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"{BUDGET_STATS_ENV} must be a positive number of steps, got {value!r}")
         logger.setLevel(logging.INFO)
@@ -368,7 +365,7 @@ class BudgetStats:
     def step(self, seconds_left: float, coefficients: tuple[float, ...]) -> None:
         """Count a new timed step; once ``every`` steps are complete, first log them (their counts and
         the fitted model) and start over."""
-        if self.steps == self.every:
+        if self.every and self.steps == self.every:
             self._log(coefficients)
             self._reset()
         self.steps += 1

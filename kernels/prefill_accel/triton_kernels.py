@@ -810,15 +810,14 @@ def select_blocks(
     if total_qb == 0:
         return BlockIndex(layout=layout, counts=counts, indices=indices, scores=scores)
     group = num_heads // num_kv
+    rows = config.block_size // config.query_stride
+    row_chunk = min(128, triton.next_power_of_2(group * rows))
     exact = config.estimator == "exact"
     if exact:
         _exact_scores(q, k_cache, page_table, cu_seqlens_q, seqlens_k, layout, config, scale, scores)
-        pooled = row_stats = scores  # unused by the cut
+        pooled = row_stats = scores  # the pooled scoring's inputs, not read when PRESCORED
     else:
         pooled = pool_blocks(k_cache, page_table, seqlens_k, layout)
-    rows = config.block_size // config.query_stride
-    row_chunk = min(128, triton.next_power_of_2(group * rows))
-    if not exact:
         row_stats = torch.empty(total_qb, num_kv, 2 * row_chunk, dtype=torch.float32, device=q.device)
     _select_kernel[(total_qb, num_kv)](
         q, pooled, cu_seqlens_q, seqlens_k, layout.qblock_seq, layout.qblock_pos, layout.qblock_dense,
@@ -852,6 +851,7 @@ def _exact_scores(q, k_cache, page_table, cu_seqlens_q, seqlens_k, layout, confi
     group_p2 = triton.next_power_of_2(group)
     qb_tile = max(EXACT_TILE_ROWS // (config.exact_rows * group_p2), 1)
     tiles = triton.cdiv(layout.total_q_blocks, qb_tile)
+    # Off the GPU (the interpreter) a small machine, so that tests of a few dozen blocks split the keys too.
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 8
     splits = exact_splits(layout, tiles * num_kv, sms)
     split_blocks = -(-max(layout.max_k_blocks, 1) // splits)

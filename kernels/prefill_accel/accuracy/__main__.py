@@ -194,7 +194,7 @@ def main(argv=None) -> int:
           f"dtype {dtype}, sparse layers {harness.sparse_layers}", flush=True)  # fmt: skip
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "argv": sys.argv if argv is None else ["python", "-m", "prefill_accel.accuracy", *argv],
+        "argv": ["python", "-m", "prefill_accel.accuracy", *(sys.argv[1:] if argv is None else argv)],
         "model": args.model if args.gguf is None else args.gguf,
         "backend": args.backend,
         "device": args.device,
