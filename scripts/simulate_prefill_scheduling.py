@@ -4,7 +4,7 @@
 Drives the scheduler of vLLM 0.26.0 (`--engine v1`, `vllm.v1.core.sched.scheduler.Scheduler`) or of
 vLLM 0.6.3 (`--engine v0`, `vllm.core.scheduler.Scheduler`) step by step on simulated time: each step's
 duration comes from a cost model (`Costs`: fixed + per token + per attention query-key pair + per token
-of context a prefill chunk reads before its own; `--costs 8b`, an illustrative 8B-class model on one
+of context a prefill chunk reads before its own + a fixed extra for a step carrying any prefill chunk; `--costs 8b`, an illustrative 8B-class model on one
 H200-class GPU with dense attention, or `--costs smollm2`, SmolLM2-135M as measured on the H200), fed
 back to the scheduler as its clock. Workloads: `doc` (default), background chats decoding from the
 start, one 128K-token document, then short chat requests every half second while it prefills; `serve`,
@@ -35,15 +35,19 @@ from pathlib import Path
 class Costs:
     """Cost model of one step, seconds: fixed + per token + per attention query-key pair + per token of
     context a prefill chunk reads before its own tokens (prefill attention splits its work by query
-    tiles, so a small chunk reads its context with few thread blocks)."""
+    tiles, so a small chunk reads its context with few thread blocks) + a fixed extra when the step
+    carries any prefill chunk (engines replay a decode-only batch as one CUDA graph and run the
+    others piecewise)."""
 
     fixed_s: float
     per_token_s: float
     per_pair_s: float
     per_context_s: float
+    prefill_step_s: float = 0.0
 
     def step(self, chunks: dict[str, tuple[int, int]], decoding: set[str]) -> float:
-        return self.fixed_s + sum(
+        prefill = any(r not in decoding for r in chunks)
+        return self.fixed_s + (self.prefill_step_s if prefill else 0.0) + sum(
             self.per_token_s * n + self.per_pair_s * attention_pairs(c, n)
             + (self.per_context_s * c if r not in decoding else 0.0)
             for r, (n, c) in chunks.items()
@@ -57,8 +61,17 @@ COSTS = {
     "8b": Costs(fixed_s=0.005, per_token_s=30e-6, per_pair_s=1.3e-9, per_context_s=0.13e-6),
     # SmolLM2-135M on one H200 under vllm serve, from the runs of docs/e2e-vllm.md: ~2 ms decode steps
     # (ITL p50), FA3's 9.87 ms per layer for a 16384-token chunk after 112K tokens (1.5e-10 s per pair over
-    # 30 layers), ~8-10 ms for a small chunk at 50K context (0.16 us per context token); per token a guess.
-    "smollm2": Costs(fixed_s=0.002, per_token_s=3e-6, per_pair_s=1.5e-10, per_context_s=0.16e-6),
+    # 30 layers), ~8-10 ms for a small chunk at 50K context (0.16 us per context token), 3.2 ms more for
+    # a step with a prefill chunk (run 9's step trace: 5.05 ms median for a step of decodes and a chunk
+    # of < 64 tokens, 1.79 ms for decodes alone; vLLM's default CUDA graph mode); 3 us per token fits
+    # the 8K chunks of a long prompt (chat-sized chunks measured 8-11 us, steps over 512 tokens leave
+    # the CUDA graphs: a cliff this linear model leaves out).
+    "smollm2": Costs(fixed_s=0.002, per_token_s=3e-6, per_pair_s=1.5e-10, per_context_s=0.16e-6,
+                     prefill_step_s=0.0032),
+    # The same with --compilation-config '{"cudagraph_mode": "FULL"}': mixed batches up to 512 tokens replay
+    # one CUDA graph, a step of decodes and a prefill chunk takes 1.9-3.4 ms (run 10's trace).
+    "smollm2-full-graphs": Costs(fixed_s=0.002, per_token_s=3e-6, per_pair_s=1.5e-10, per_context_s=0.16e-6,
+                                 prefill_step_s=0.0005),
 }
 
 # An 8B Llama-style config with a 128K context; only the scheduler and KV sizing read it.
@@ -77,9 +90,9 @@ PARTIAL = dict(max_num_partial_prefills=4, max_long_partial_prefills=1,
 SRPF = dict(prefill_order="srpf", prefill_aging_s=30.0)
 TARGET = dict(max_step_latency_ms=60.0)
 CONFIGS: dict[str, dict] = {
-    # The patched server of the H200 mixed load (docs/e2e-vllm.md, run 3), for --workload serve.
+    # The patched server of the H200 mixed load (docs/e2e-vllm.md, runs 8-9), for --workload serve.
     "e2e": dict(max_num_partial_prefills=4, max_long_partial_prefills=1, long_prefill_token_threshold=4096,
-                prefill_order="srpf", max_step_latency_ms=4.7),
+                prefill_order="srpf", max_step_latency_ms=4.1),
     "defaults": {},
     "srpf": SRPF,
     "partial": PARTIAL,

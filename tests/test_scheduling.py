@@ -13,14 +13,23 @@ from prefill_accel.scheduling import (
 )
 
 MAX_MODEL_LEN = 131072
-# A step as measured on the H200 (SmolLM2 under vLLM serve): ~2 ms of fixed cost and decodes, and a
-# prefill chunk that reads its whole context at ~0.16 us per key however few queries it holds.
-C0, C1, C2, C3 = 2e-3, 2e-6, 1e-11, 1.6e-7
+# A step as measured on the H200 (SmolLM2 under vLLM serve): ~2 ms of fixed cost and decodes, ~1.5 ms
+# more when it carries a prefill chunk, and a prefill chunk that reads its whole context at ~0.16 us
+# per key however few queries it holds.
+C0, C1, C2, C3, P0 = 2e-3, 2e-6, 1e-11, 1.6e-7, 1.5e-3
 
 
 def step_seconds(decodes: int, chunk: int = 0, context: int = 0) -> float:
     pairs = decodes * 600 + attention_pairs(context, chunk)
-    return C0 + C1 * (decodes + chunk) + C2 * pairs + (C3 * context if chunk else 0.0)
+    return C0 + C1 * (decodes + chunk) + C2 * pairs + (P0 + C3 * context if chunk else 0.0)
+
+
+def observe(model: StepTimeModel, decodes: int, chunk: int = 0, context: int = 0, factor: float = 1.0) -> None:
+    """Feed the model one step of `decodes` decodes (600 keys each) and a prefill chunk after `context`
+    tokens, timed at `factor` times its cost."""
+    model.observe(step_seconds(decodes, chunk, context) * factor, decode_tokens=decodes, decode_pairs=decodes * 600,
+                  prefill_tokens=chunk, prefill_pairs=attention_pairs(context, chunk),
+                  prefill_keys=context if chunk else 0)  # fmt: skip
 
 
 def fitted_budget(target_ms: float) -> PrefillTime:
@@ -28,9 +37,7 @@ def fitted_budget(target_ms: float) -> PrefillTime:
     budget = PrefillTime(target_ms, token_scale=8192, max_model_len=MAX_MODEL_LEN, min_prefill_tokens=16)
     for step in range(400):
         decodes, chunk, context = 1 + step % 5, [0, 96, 0, 300, 0, 8192][step % 6], (512 * step) % 98304
-        keys = context if chunk else 0
-        budget.model.observe(decodes + chunk, decodes * 600 + attention_pairs(context, chunk),
-                             step_seconds(decodes, chunk, context), prefill_keys=keys)  # fmt: skip
+        observe(budget.model, decodes, chunk, context)
     return budget
 
 
@@ -61,19 +68,36 @@ def test_partial_prefills_admit_share_and_keep_long_slots():
 
 
 def test_a_model_that_prices_prefill_at_nothing_does_not_refuse_it():
-    """Seen in simulation with noisy step times: between chat prompts the fit saw only decode steps,
-    put all their time in c0 and priced prefill tokens at zero; the time share of the step's prefills
-    came out as their predicted zero, every chunk was refused and a short prompt waited for the
-    starvation step (128 steps, ~0.26 s: the unloaded TTFT tail of the H200 mixed load)."""
+    """Seen in simulation with noisy step times: a fit that priced prefill chunks at zero made the time
+    share of the step's prefills their predicted zero, every chunk was refused and a short prompt waited
+    for the starvation step (128 steps, ~0.26 s: the unloaded TTFT tail of the H200 mixed load)."""
     budget = PrefillTime(4.7, token_scale=8192, max_model_len=MAX_MODEL_LEN, min_prefill_tokens=16)
-    for _ in range(50):
-        budget.model.observe(1, 600, 2e-3)
-    assert max(budget.model.coefficients[1:]) < 1e-10  # decode steps alone hardly price a prefill token
-    budget.model.coefficients = (2e-3, 0.0, 0.0, 0.0)  # as the active-set fit returned in the simulation
+    for step in range(50):
+        observe(budget.model, decodes=1)
+        if step % 10 == 9:  # prefill steps timed like decode steps: chunks priced at nothing
+            budget.model.observe(step_seconds(1), decode_tokens=1, decode_pairs=600, prefill_tokens=100 * step)
+    assert budget.model.chunk_seconds(736, 0) + budget.model.prefill_step_seconds == pytest.approx(0.0, abs=1e-9)
     budget.start(decode_tokens=1, decode_pairs=600)
     limits = PartialPrefills(max_partial=4, max_long=1, long_threshold=4096, remaining=lambda r: r)
     _, seconds = limits.shares([], [736], 8192, lambda r, n: budget.model.chunk_seconds(n, 0), budget.seconds_left)
     assert budget.limit_tokens(0, 736, seconds, floor_each=True) == 736
+
+
+def test_before_any_prefill_step_is_timed_a_chunk_is_a_probe():
+    """Nothing known of prefill costs: one chunk of min_prefill_tokens, not the whole prompt (a whole 8K
+    chunk next to running decodes took a 294 ms step under a 60 ms target, simulated); its time starts the
+    fit, and the chunks grow from there."""
+    budget = PrefillTime(5.5, token_scale=8192, max_model_len=MAX_MODEL_LEN, min_prefill_tokens=16)
+    for _ in range(8):
+        observe(budget.model, decodes=3)
+    granted = []
+    for _ in range(6):
+        budget.start(decode_tokens=3, decode_pairs=3 * 600)
+        granted.append(budget.limit_tokens(0, 8192))
+        budget.charge(0, granted[-1])
+        observe(budget.model, decodes=3, chunk=granted[-1])
+    assert granted[0] == 16
+    assert granted == sorted(granted) and granted[-1] == pytest.approx((5.5e-3 - step_seconds(3) - P0) / C1, rel=0.05)
 
 
 def test_attention_pairs_of_a_chunk_after_a_prefix():
@@ -83,9 +107,12 @@ def test_attention_pairs_of_a_chunk_after_a_prefix():
 
 def test_max_chunk_inverts_the_chunk_cost():
     model = StepTimeModel(token_scale=2048, pair_scale=2048 * 131072)
+    for _ in range(8):
+        observe(model, decodes=1)
     for step in range(30):
         tokens, pairs = 512 + 16 * (step % 7), attention_pairs(1024 * step, 512 + 16 * (step % 7))
-        model.observe(tokens, pairs, 0.002 + 20e-6 * tokens + 1e-9 * pairs)
+        model.observe(step_seconds(1) + 0.002 + 20e-6 * tokens + 1e-9 * pairs, decode_tokens=1, decode_pairs=600,
+                      prefill_tokens=tokens, prefill_pairs=pairs)  # fmt: skip
     for context in (0, 4096, 65536):
         chunk = model.max_chunk(0.010, context)
         assert model.chunk_seconds(chunk, context) <= 0.010 < model.chunk_seconds(chunk + 1, context)
@@ -97,9 +124,31 @@ def test_small_chunks_at_long_context_are_priced_by_the_context_they_read():
     """The cost of a few queries at a long context is the context read: fitted as such, it does not
     leak into the fixed cost, so a step of decodes alone is still predicted at its real time."""
     model = fitted_budget(5.0).model
-    assert model.predict(3, 3 * 600) == pytest.approx(step_seconds(3), rel=0.02)
+    assert model.decode_seconds(3, 3 * 600) == pytest.approx(step_seconds(3), rel=0.02)
     for chunk in (96, 8192):
-        assert model.chunk_seconds(chunk, 90000) == pytest.approx(step_seconds(0, chunk, 90000) - C0, rel=0.02)
+        assert model.chunk_seconds(chunk, 90000) == pytest.approx(step_seconds(0, chunk, 90000) - C0 - P0, rel=0.02)
+
+
+def test_the_fixed_cost_of_a_prefill_step_is_not_charged_per_token():
+    """Run 7 on the H200: fitted together with the decode steps, the extra time of a step that carries a
+    prefill chunk went into the per-token cost (20-45 us instead of < 6), and chat prompts were cut into
+    chunks of ~80 tokens. Apart, and remembered across the decode-only steps between prompts, a chat
+    prompt that fits the target is scheduled whole."""
+    budget = PrefillTime(5.5, token_scale=8192, max_model_len=MAX_MODEL_LEN, min_prefill_tokens=16)
+    for step in range(60):
+        observe(budget.model, decodes=2 + step % 3, chunk=[0, 0, 0, 250, 0, 800][step % 6])
+    for _ in range(2000):
+        observe(budget.model, decodes=3)
+    assert budget.model.prefill_step_seconds == pytest.approx(P0, rel=0.05)
+    assert budget.model.chunk_seconds(700, 0) == pytest.approx(700 * C1 + C2 * attention_pairs(0, 700), rel=0.05)
+    budget.start(decode_tokens=3, decode_pairs=3 * 600)  # 2 ms of decodes leave 3.5 ms: 1.5 + 700 x 2 us fit
+    assert budget.limit_tokens(0, 700) == 700
+    budget.charge(0, 700)
+    assert budget.seconds_left == pytest.approx(5.5e-3 - step_seconds(3, 700), rel=0.05)  # P0 charged once
+    assert budget.limit_tokens(0, 700) == pytest.approx(budget.seconds_left / C1, rel=0.05)  # a second chunk: no P0
+    budget.start(decode_tokens=3, decode_pairs=3 * 600)
+    # A large chunk gets what is left after the decodes and the step's fixed prefill cost.
+    assert budget.limit_tokens(0, 3000) == pytest.approx((5.5e-3 - step_seconds(3) - P0) / C1, rel=0.02)
 
 
 def test_a_chunk_whose_context_does_not_fit_waits_but_never_starves():
@@ -146,3 +195,19 @@ def test_budget_stats_report_what_the_target_did(monkeypatch, caplog):
     monkeypatch.setenv("PREFILL_ACCEL_BUDGET_STATS", "often")
     with pytest.raises(ValueError, match="PREFILL_ACCEL_BUDGET_STATS"):
         fitted_budget(5.0)
+
+
+def test_step_trace_writes_each_step_with_the_prediction_before_it(monkeypatch, tmp_path):
+    import json
+
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("PREFILL_ACCEL_STEP_TRACE", str(path))
+    model = StepTimeModel(token_scale=8192, pair_scale=8192 * MAX_MODEL_LEN)
+    for step in range(12):
+        observe(model, decodes=2, chunk=[0, 300, 0, 800][step % 4])
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 12
+    assert records[-1]["prefill_tokens"] == 800 and records[-1]["decode_tokens"] == 2
+    assert records[-1]["seconds"] == pytest.approx(step_seconds(2, 800))
+    assert records[0]["predicted"] == 0.0  # nothing learnt before the first step
+    assert records[-1]["predicted"] == pytest.approx(step_seconds(2, 800), rel=0.05)

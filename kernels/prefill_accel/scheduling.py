@@ -5,26 +5,36 @@ adapt their requests to these functions.
 
 * :func:`water_level`: the max-min fair share of a step's prefill budget (tokens or seconds), and
   :class:`PartialPrefills`, the partial-prefill limits (admission, long slots, the step's shares).
-* :func:`attention_pairs` and :class:`StepTimeModel`: the online model of a step's wall time,
-  ``c0 + c1 * tokens + c2 * attention_pairs + c3 * prefill_keys``, and :class:`PrefillTime`, the
-  step's prefill time under ``--max-step-latency-ms`` spent chunk by chunk.
+* :func:`attention_pairs` and :class:`StepTimeModel`: the online model of a step's wall time, its
+  decodes' cost plus what its prefill chunks add, and :class:`PrefillTime`, the step's prefill time
+  under ``--max-step-latency-ms`` spent chunk by chunk.
 * :func:`aged_remaining`: the shortest-remaining-prefill-first key with aging (``--prefill-order srpf``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 Request = TypeVar("Request")
 
-# Weight of older steps per new step: ~20 steps of memory, quick enough to follow a prefill
-# whose context grows every step, long enough to average out step-to-step noise.
-FORGETTING = 0.95
-# Steps observed before the model may cap prefills (three coefficients need a few points).
+# Weight of older steps per new step of the same kind: ~100 steps of memory. A prefill whose context
+# grows every step is followed by the pair and key terms, not by forgetting; at ~20 steps noisy step
+# times (simulated log-normal jitter 0.5) moved the fitted fixed prefill cost between 0.6 and 3.7 ms.
+FORGETTING = 0.99
+# Weight, in steps, of the prefill fit's prior that the fixed cost of a prefill step is zero. Under a
+# latency target every step takes about the target, so its chunks are of about one size and the data
+# cannot tell the fixed cost from the per-token cost; unanchored, an inconsistent step once put 35 ms on
+# the fixed cost and nearly nothing per token, and a whole 8K chunk went into a 60 ms step (294 ms,
+# simulated). With the prior such data charges per token, which prices small chunks low: they get
+# scheduled, and their times separate the two. Varied chunk sizes outweigh it within a few steps.
+PREFILL_STEP_PRIOR = 0.1
+# Decode-only steps observed before the model may cap prefills (three coefficients need a few points).
 WARMUP_STEPS = 4
 # Ridge weight relative to the data, keeps the solve defined while a feature has not varied.
 RIDGE = 1e-9
@@ -147,83 +157,171 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
     return x
 
 
-class StepTimeModel:
-    """Online fit of step seconds = c0 + c1 * tokens + c2 * attention_pairs + c3 * prefill_keys.
+class _DecayedFit:
+    """Exponentially weighted least squares (an EWMA of the normal equations, forgetting once per
+    observation) with non-negative coefficients, over features scaled to ~[0, 1] so the ridge term
+    means the same for each; `prior` adds, per feature, that many steps' worth of evidence that its
+    coefficient is zero (not forgotten)."""
 
-    ``prefill_keys`` is the context the step's prefill chunks read before their own tokens (each
-    chunk its request's computed tokens): a chunk of a few queries at a long context costs about
-    what reading that context costs, because prefill attention kernels parallelise over query tiles
-    and heads, not over keys (decodes get split-KV kernels, so their keys count as pairs). Without
-    this term, the cost of small chunks late in a long prompt lands in c0 and the model overstates
-    the time of every step, decodes alone included. Fresh prompts read no context, so the term
-    stays apart from the token term and is learnt from continuation chunks only.
-    """
+    def __init__(self, scales: tuple[float, ...], prior: tuple[float, ...] | None = None) -> None:
+        self._scales = scales
+        self._prior = prior or (0.0,) * len(scales)
+        n = len(scales)
+        self._xtx = [[0.0] * n for _ in range(n)]
+        self._xty = [0.0] * n
+        self.count = 0
+        self.coefficients = (0.0,) * n
 
-    FEATURES = 4
-
-    def __init__(self, token_scale: float, pair_scale: float, key_scale: float | None = None) -> None:
-        # Features are scaled to ~[0, 1] so the ridge term means the same for each; pair_scale is
-        # token_scale times the longest context, which is also the scale of the keys read.
-        key_scale = pair_scale / token_scale if key_scale is None else key_scale
-        self._scales = (1.0, float(token_scale), float(pair_scale), float(key_scale))
-        self._xtx = [[0.0] * self.FEATURES for _ in range(self.FEATURES)]
-        self._xty = [0.0] * self.FEATURES
-        self.num_observations = 0
-        self.coefficients = (0.0,) * self.FEATURES
-
-    def observe(self, tokens: int, pairs: int, seconds: float, prefill_keys: int = 0) -> None:
-        x = [1.0, tokens / self._scales[1], pairs / self._scales[2], prefill_keys / self._scales[3]]
-        for i in range(self.FEATURES):
-            self._xty[i] = FORGETTING * self._xty[i] + x[i] * seconds
-            for j in range(self.FEATURES):
-                self._xtx[i][j] = FORGETTING * self._xtx[i][j] + x[i] * x[j]
-        self.num_observations += 1
+    def observe(self, features: tuple[float, ...], seconds: float) -> None:
+        x = [f / s for f, s in zip(features, self._scales)]
+        for i, xi in enumerate(x):
+            self._xty[i] = FORGETTING * self._xty[i] + xi * seconds
+            for j, xj in enumerate(x):
+                self._xtx[i][j] = FORGETTING * self._xtx[i][j] + xi * xj
+        self.count += 1
         self.coefficients = self._fit()
 
     def _fit(self) -> tuple[float, ...]:
         """Least squares with non-negative coefficients (active set over the features)."""
-        active = list(range(self.FEATURES))
+        n = len(self._scales)
+        active = list(range(n))
         while active:
-            ridge = RIDGE * max(self._xtx[i][i] for i in range(self.FEATURES))
-            sub = [[self._xtx[i][j] + (ridge if i == j else 0.0) for j in active] for i in active]
+            ridge = RIDGE * max(self._xtx[i][i] for i in range(n))
+            sub = [[self._xtx[i][j] + (ridge + self._prior[i] if i == j else 0.0) for j in active] for i in active]
             solution = _solve(sub, [self._xty[i] for i in active])
             negative = [i for i, v in zip(active, solution) if v < 0.0]
             if not negative:
                 scaled = dict(zip(active, solution))
-                return tuple(scaled.get(i, 0.0) / self._scales[i] for i in range(self.FEATURES))
+                return tuple(scaled.get(i, 0.0) / self._scales[i] for i in range(n))
             active.remove(min(negative, key=lambda i: solution[active.index(i)]))
-        return (0.0,) * self.FEATURES
+        return (0.0,) * n
+
+    def predict(self, features: tuple[float, ...]) -> float:
+        return sum(c * f for c, f in zip(self.coefficients, features))
+
+
+# PREFILL_ACCEL_STEP_TRACE=FILE: one JSON line per timed step (appended, with the process id).
+STEP_TRACE_ENV = "PREFILL_ACCEL_STEP_TRACE"
+
+
+class StepTrace:
+    """Every step the model is fed, as a JSON line: its measured seconds, its features, and what the
+    model predicted for it before learning from it, so the step costs of an engine on a device can
+    be studied (and the model's error measured) offline."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1)
+
+    @classmethod
+    def from_env(cls) -> "StepTrace | None":
+        path = os.environ.get(STEP_TRACE_ENV, "")
+        return cls(path) if path else None
+
+    def write(self, model: "StepTimeModel", seconds: float, **features: int) -> None:
+        predicted = model.decode_seconds(features["decode_tokens"], features["decode_pairs"])
+        if features["prefill_tokens"]:
+            predicted += model.prefill_step_seconds + model.prefill_seconds_of(
+                features["prefill_tokens"], features["prefill_pairs"], features["prefill_keys"])
+        record = {"pid": os.getpid(), "t": time.monotonic(), "seconds": seconds, "predicted": predicted, **features}
+        self._file.write(json.dumps(record) + "\n")
+
+
+class StepTimeModel:
+    """Online model of a step's wall time: what its decodes cost, plus what its prefill chunks add.
+
+        decodes   d0 + d1 * tokens + d2 * pairs                  fitted on steps without a prefill chunk
+        prefills  p0 + p1 * tokens + p2 * pairs + p3 * keys      fitted on the rest of the other steps
+
+    ``p0`` is what carrying any prefill chunk costs a step by itself: engines replay a decode-only
+    batch as one captured CUDA graph and run a step with a prefill chunk piecewise or eagerly. In one
+    model with the decode steps that cost had no term of its own and landed on the per-token one
+    (20-45 us per token on the H200, where a whole 8K prompt takes under 6 us per token), so chat
+    prompts were cut into small chunks. ``keys`` is the context the prefill chunks read before their
+    own tokens (each chunk its request's computed tokens): a chunk of a few queries at a long context
+    costs about what reading that context costs, because prefill attention kernels parallelise over
+    query tiles and heads, not over keys (decodes get split-KV kernels, so their keys count as pairs).
+
+    Each fit forgets once per step of its own kind, so what the prefill fit learnt survives the
+    decode-only steps between prompts. The prefill fit takes a step's time less the decodes' predicted
+    part, so it starts once the decode fit has seen `WARMUP_STEPS` decode-only steps; until then the
+    model is not `ready` and prefills are not capped.
+    """
+
+    def __init__(self, token_scale: float, pair_scale: float, key_scale: float | None = None) -> None:
+        # pair_scale is token_scale times the longest context, which is also the scale of the keys read.
+        key_scale = pair_scale / token_scale if key_scale is None else key_scale
+        self.decodes = _DecayedFit((1.0, float(token_scale), float(pair_scale)))
+        self.trace = StepTrace.from_env()
+        self.prefills = _DecayedFit((1.0, float(token_scale), float(pair_scale), float(key_scale)),
+                                    prior=(PREFILL_STEP_PRIOR, 0.0, 0.0, 0.0))
+
+    def observe(self, seconds: float, decode_tokens: int = 0, decode_pairs: int = 0, prefill_tokens: int = 0,
+                prefill_pairs: int = 0, prefill_keys: int = 0) -> None:  # fmt: skip
+        """Fit one step's wall time: its decodes' tokens and attention pairs, and its prefill chunks'
+        tokens, pairs and keys read before their own tokens."""
+        decodes = (1.0, decode_tokens, decode_pairs)
+        if self.trace is not None:
+            self.trace.write(self, seconds, decode_tokens=decode_tokens, decode_pairs=decode_pairs,
+                             prefill_tokens=prefill_tokens, prefill_pairs=prefill_pairs, prefill_keys=prefill_keys)
+        if prefill_tokens:
+            if self.decodes.count < WARMUP_STEPS:
+                return  # the decodes' part of the step, and so the prefills' rest, is not known yet
+            self.prefills.observe((1.0, prefill_tokens, prefill_pairs, prefill_keys),
+                                  seconds - self.decodes.predict(decodes))  # fmt: skip
+        else:
+            self.decodes.observe(decodes, seconds)
 
     @property
     def ready(self) -> bool:
-        return self.num_observations >= WARMUP_STEPS
+        return self.decodes.count >= WARMUP_STEPS
 
-    def predict(self, tokens: float, pairs: float, prefill_keys: float = 0.0) -> float:
-        c0, c1, c2, c3 = self.coefficients
-        return c0 + c1 * tokens + c2 * pairs + c3 * prefill_keys
+    @property
+    def prefills_timed(self) -> int:
+        """Steps with a prefill chunk the prefill fit has seen."""
+        return self.prefills.count
+
+    def decode_seconds(self, tokens: float, pairs: float) -> float:
+        """Predicted time of a step carrying these decodes and no prefill chunk."""
+        return self.decodes.predict((1.0, tokens, pairs))
+
+    @property
+    def prefill_step_seconds(self) -> float:
+        """What a step pays for carrying any prefill chunk, besides each chunk's own cost."""
+        return self.prefills.coefficients[0]
+
+    def prefill_seconds_of(self, tokens: int, pairs: int, keys: int) -> float:
+        """Predicted time prefill chunks of these totals add to a step, besides `prefill_step_seconds`."""
+        _, p1, p2, p3 = self.prefills.coefficients
+        return p1 * tokens + p2 * pairs + p3 * keys
 
     def chunk_seconds(self, num_tokens: int, context: int) -> float:
-        """Predicted time a prefill chunk of num_tokens after `context` computed tokens adds to a step."""
+        """Predicted time a prefill chunk of num_tokens after `context` computed tokens adds to a step
+        that already carries a prefill chunk (without `prefill_step_seconds`)."""
         if num_tokens <= 0:
             return 0.0
-        _, c1, c2, c3 = self.coefficients
-        return c1 * num_tokens + c2 * attention_pairs(context, num_tokens) + c3 * context
+        return self.prefill_seconds_of(num_tokens, attention_pairs(context, num_tokens), context)
 
     def max_chunk(self, seconds: float, context: int) -> int | None:
         """Largest chunk x at `context` computed tokens with chunk_seconds(x, context) <= seconds;
         None when unbounded (no cost learnt). Solves
-        c2/2 x^2 + (c1 + c2 (context + 1/2)) x + c3 context <= seconds.
+        p2/2 x^2 + (p1 + p2 (context + 1/2)) x + p3 context <= seconds.
         """
-        _, c1, c2, c3 = self.coefficients
-        seconds -= c3 * context
+        _, p1, p2, p3 = self.prefills.coefficients
+        seconds -= p3 * context
         if seconds <= 0.0:
             return 0
-        a, b = c2 / 2.0, c1 + c2 * (context + 0.5)
+        a, b = p2 / 2.0, p1 + p2 * (context + 0.5)
         if a > 0.0:
             return int((-b + math.sqrt(b * b + 4.0 * a * seconds)) / (2.0 * a))
         if b > 0.0:
             return int(seconds / b)
         return None
+
+    def describe(self) -> str:
+        d0, d1, d2 = self.decodes.coefficients
+        p0, p1, p2, p3 = self.prefills.coefficients
+        return (f"decodes {d0 * 1e3:.3f} ms + {d1 * 1e6:.3g} us/token + {d2 * 1e9:.3g} ns/pair; prefills "
+                f"{p0 * 1e3:.3f} ms + {p1 * 1e6:.3g} us/token + {p2 * 1e9:.3g} ns/pair + {p3 * 1e9:.3g} ns/key")
 
 
 def aged_remaining(remaining_tokens: int, waited_s: float, aging_s: float) -> float:
@@ -247,14 +345,16 @@ BUDGET_STATS_ENV = "PREFILL_ACCEL_BUDGET_STATS"
 
 class PrefillTime:
     """A step's prefill time under a latency target, spent chunk by chunk, each chunk charged its own
-    cost (its tokens and their attention over its own context) by the fitted :class:`StepTimeModel`.
+    cost (its tokens and their attention over its own context) by the fitted :class:`StepTimeModel`,
+    the step's first chunk also what carrying a prefill costs the step.
 
     The engines' step-time budgets build on this: they time steps and feed `model`, call `start`
     with the step's decodes, and size each prefill chunk with `limit_tokens` and `charge`.
 
     A chunk too costly for the time left is cut, down to nothing when even reading its context does
     not fit: a chunk of a few tokens late in a long prompt costs a whole step of attention for
-    little progress. Two exceptions keep prefills moving. When the decodes alone exceed the target
+    little progress. Until a step with a prefill chunk has been timed (the model knows nothing of
+    their cost), a chunk gets ``min_prefill_tokens``, a probe. Two exceptions keep prefills moving. When the decodes alone exceed the target
     (set too low), prefill chunks still get ``min_prefill_tokens``; and after `STARVATION_STEPS`
     steps in which prefill chunks were refused outright, one step takes them uncapped.
     """
@@ -282,8 +382,8 @@ class PrefillTime:
         self._refused = False
         if self.target_s is None or not decode_tokens or not self.model.ready:
             return
-        self.seconds_left = self.target_s - self.model.predict(decode_tokens, decode_pairs)
-        self.stats.step(self.seconds_left, self.model.coefficients)
+        self.seconds_left = self.target_s - self.model.decode_seconds(decode_tokens, decode_pairs)
+        self.stats.step(self.seconds_left, self.model)
         self._steps_over_target = self._steps_over_target + 1 if self.seconds_left <= 0.0 else 0
         if self._steps_over_target == UNREACHABLE_STEPS and not self._warned:
             self._warned = True
@@ -293,6 +393,14 @@ class PrefillTime:
                 self.target_s * 1e3, (self.target_s - self.seconds_left) * 1e3, UNREACHABLE_STEPS,
                 self.min_prefill_tokens,
             )
+
+    @property
+    def prefill_seconds(self) -> float | None:
+        """Time left in this step for prefill chunks' own costs: `seconds_left`, less what carrying a
+        prefill costs the step while no chunk has paid it; None when prefills are not timed."""
+        if self.seconds_left is None:
+            return None
+        return self.seconds_left - (0.0 if self._prefill_granted else self.model.prefill_step_seconds)
 
     def limit_tokens(self, context: int, num_new_tokens: int, seconds: float | None = None,
                      floor_each: bool = False) -> int:
@@ -304,10 +412,13 @@ class PrefillTime:
         """
         if self.seconds_left is None or num_new_tokens <= 0:
             return num_new_tokens
-        available = self.seconds_left if seconds is None else min(seconds, self.seconds_left)
-        allowed = self.model.max_chunk(available, context)
-        if allowed is None:
-            return num_new_tokens
+        if not self.model.prefills_timed:
+            allowed = self.min_prefill_tokens  # a probe: its step's time starts the prefill fit
+        else:
+            available = self.prefill_seconds if seconds is None else min(seconds, self.prefill_seconds)
+            allowed = self.model.max_chunk(available, context)
+            if allowed is None:
+                return num_new_tokens
         if floor_each or self._prefill_granted == 0:
             if self._starved_steps >= STARVATION_STEPS:
                 self.stats.released += 1
@@ -324,7 +435,7 @@ class PrefillTime:
         """Charge a scheduled prefill chunk to the step's time."""
         if self.seconds_left is None or num_tokens <= 0:
             return
-        self.seconds_left -= self.model.chunk_seconds(num_tokens, context)
+        self.seconds_left = self.prefill_seconds - self.model.chunk_seconds(num_tokens, context)
         self._prefill_granted += num_tokens
 
 
@@ -362,22 +473,21 @@ class BudgetStats:
         self.capped += granted < requested
         self.refused += granted == 0
 
-    def step(self, seconds_left: float, coefficients: tuple[float, ...]) -> None:
+    def step(self, seconds_left: float, model: StepTimeModel) -> None:
         """Count a new timed step; once ``every`` steps are complete, first log them (their counts and
         the fitted model) and start over."""
         if self.every and self.steps == self.every:
-            self._log(coefficients)
+            self._log(model)
             self._reset()
         self.steps += 1
         self.over_target += seconds_left <= 0.0
         self.min_left_s = min(self.min_left_s, seconds_left)
 
-    def _log(self, coefficients: tuple[float, ...]) -> None:
-        c0, c1, c2, c3 = coefficients
+    def _log(self, model: StepTimeModel) -> None:
         logger.info(
             "step-latency budget, last %d timed steps: %d prefill chunks, %d capped, %d refused, %d at the "
             "floor, %d starvation releases; %d of %d tokens granted; decodes over the target in %d steps, "
-            "least prefill time left %.2f ms; model c0 %.3f ms, c1 %.3g ms/token, c2 %.3g ms/pair, c3 %.3g ms/key",
+            "least prefill time left %.2f ms; model: %s",
             self.steps, self.chunks, self.capped, self.refused, self.floored, self.released, self.granted,
-            self.requested, self.over_target, self.min_left_s * 1e3, c0 * 1e3, c1 * 1e3, c2 * 1e3, c3 * 1e3,
+            self.requested, self.over_target, self.min_left_s * 1e3, model.describe(),
         )  # fmt: skip

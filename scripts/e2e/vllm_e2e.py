@@ -28,6 +28,7 @@ import json
 import os
 import random
 import select
+import shlex
 import statistics
 import subprocess
 import sys
@@ -571,6 +572,7 @@ def mixed_stage(results: dict, gpus: str, tok, corpus: Corpus, model: Path, args
     prompts = {"warm": shorts[:count], "unloaded": shorts[count : 2 * count], "loaded": shorts[2 * count :],
                "long": corpus.window(args.mixed_long, 99), "warm_long": corpus.window(args.mixed_long // 2, 98)}  # fmt: skip
     table = {}
+    engine_args = shlex.split(args.mixed_engine_args)
     target = args.mixed_target_ms
     if target is None:
         with serving("mixed-upstream", "upstream", gpus, model, 8103, []) as upstream:
@@ -578,10 +580,13 @@ def mixed_stage(results: dict, gpus: str, tok, corpus: Corpus, model: Path, args
         # The step-latency target comes from upstream's unloaded decode latency (its p99, the figure
         # the target bounds), as an operator would set it.
         target = max(round(1.3 * table["upstream defaults"]["unloaded"]["itl_p99_ms"], 1), 4.0)
+        if engine_args:  # what the engine arguments alone do, apart from the scheduler flags
+            with serving("mixed-upstream-args", "upstream", gpus, model, 8102, engine_args) as upstream:
+                table["upstream, " + " ".join(engine_args)] = run_mixed(upstream, prompts, args)
     # Chunks stay below --sparse-prefill-min-len here: on this model the sparse path does not pay
     # off below 16K-token chunks (chunk_bench), so the scheduler flags are what this run compares.
     for i, backend in enumerate(args.mixed_backends.split(",")):
-        flags = mixed_flags(backend, target)
+        flags = mixed_flags(backend, target) + engine_args
         label = "patched, " + " ".join(flags)
         label += f" (server {i + 1})" if label in table else ""  # a backend listed twice, for an A/B/A run
         with serving(f"mixed-patched-{i}", "patched", gpus, model, 8104 + i, flags) as ours:
@@ -737,6 +742,9 @@ def main() -> None:
     parser.add_argument("--mixed-backends", default="SPARSE_PREFILL", help="comma-separated --attention-backend "
                         "values, one patched mixed-load server each, in this order, same scheduler flags; "
                         "'default' leaves vLLM's choice (the scheduler flags alone)")
+    parser.add_argument("--mixed-engine-args", default="", help="more vLLM arguments (one shell-quoted string) for "
+                        "every patched mixed-load server and for a second upstream server, run after upstream's "
+                        "defaults, so their effect shows apart from the scheduler flags")
     parser.add_argument("--skip", default="", help="comma-separated stage names to leave out (smol_equality, "
                         "gemma_needles, offline_ttft, serve_ttft, mixed_load, chunk_bench, engine_density, "
                         "tp2_equality, tp2_ttft)")  # fmt: skip

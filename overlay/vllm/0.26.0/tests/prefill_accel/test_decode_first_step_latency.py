@@ -91,12 +91,14 @@ def test_step_latency_target_limits_prefill_tokens_next_to_decodes():
 
     step_times, doc_chunks = prefill_document(scheduler, gpu, decodes=4, max_steps=20)
 
-    # Every step stays within the target, in chunks of about the largest size that fits next
-    # to the four decodes (746 tokens), where the budget alone would allow 2044.
+    # Every step stays within the target: a first chunk of one KV block (no prefill step timed yet),
+    # then chunks of about the largest size that fits next to the four decodes (746 tokens), where
+    # the budget alone would allow 2044.
     best_chunk = math.floor((target_ms / 1e3 - gpu.fixed_s) / gpu.per_token_s) - 4
     assert sum(doc_chunks) == 2000
     assert max(step_times) <= target_ms / 1e3 * 1.001
-    assert all(0.99 * best_chunk <= c <= best_chunk for c in doc_chunks[:-1])
+    assert doc_chunks[0] == BLOCK_SIZE
+    assert all(0.99 * best_chunk <= c <= best_chunk for c in doc_chunks[1:-1])
 
 
 def test_step_latency_charges_a_short_prompt_its_own_cost_next_to_a_long_prefill():
@@ -140,7 +142,8 @@ def test_a_chunk_that_cannot_fit_its_context_read_waits_instead_of_crawling():
     assert "doc" not in scheduler.requests, "the document never finished"
     chunks = [c for c in doc_chunks if c]
     over = [t for t in step_times if t > target_ms / 1e3 * 1.001]
-    assert min(chunks[:-1]) >= 128, chunks  # no crawling in tiny chunks
+    assert chunks[0] == BLOCK_SIZE  # the probe before any prefill step was timed
+    assert min(chunks[1:-1]) >= 128, chunks  # no crawling in tiny chunks
     # Over the target: the step that taught the model the context cost, and the starved steps.
     assert len(over) <= 1 + len(step_times) // STARVATION_STEPS, (len(over), len(step_times))
 
@@ -175,24 +178,28 @@ def test_without_a_target_prefill_uses_the_whole_budget_left_by_decodes():
 def test_step_time_model_fits_fixed_token_and_attention_costs():
     from prefill_accel.scheduling import StepTimeModel, attention_pairs
 
-    c0, c1, c2 = 0.004, 30e-6, 2e-9
+    c0, c1, c2, p0 = 0.004, 30e-6, 2e-9, 0.001
     model = StepTimeModel(token_scale=2048, pair_scale=2048 * 131072)
-    for step in range(40):
-        context, chunk, decodes = 2048 * step, 2048 - 32 * (step % 5), 8 + step % 3
-        tokens = chunk + decodes
-        pairs = attention_pairs(context, chunk) + decodes * 4096
-        model.observe(tokens, pairs, c0 + c1 * tokens + c2 * pairs)
-    # No step read a prefix before its chunk here, so the context-read coefficient stays 0.
-    assert model.coefficients == pytest.approx((c0, c1, c2, 0.0), rel=1e-3, abs=1e-15)
+    for step in range(80):
+        context, chunk, decodes = 2048 * step, 256 + 384 * (step % 5), 8 + step % 3
+        decode_pairs = decodes * 4096
+        model.observe(c0 + c1 * decodes + c2 * decode_pairs, decode_tokens=decodes, decode_pairs=decode_pairs)
+        pairs = attention_pairs(context, chunk)
+        seconds = c0 + c1 * (decodes + chunk) + c2 * (decode_pairs + pairs) + p0
+        model.observe(seconds, decode_tokens=decodes, decode_pairs=decode_pairs, prefill_tokens=chunk,
+                      prefill_pairs=pairs, prefill_keys=context if step % 2 else 0)  # fmt: skip
+    assert model.decode_seconds(8, 8 * 4096) == pytest.approx(c0 + c1 * 8 + c2 * 8 * 4096, rel=1e-3)
+    assert model.prefill_step_seconds == pytest.approx(p0, rel=0.05)
 
     # The largest chunk at 64K context that, next to 8 decodes, keeps a step within 50 ms.
-    slack = 0.050 - model.predict(8, 8 * 4096)
+    slack = 0.050 - model.decode_seconds(8, 8 * 4096) - model.prefill_step_seconds
     chunk = model.max_chunk(slack, 65536)
+
     def predicted(n):
-        return model.predict(8 + n, 8 * 4096 + attention_pairs(65536, n))
+        return c0 + c1 * (8 + n) + c2 * (8 * 4096 + attention_pairs(65536, n)) + p0
+
     assert 0 < chunk < 2048
-    assert predicted(chunk) <= 0.050 < predicted(chunk + 1)
-    assert model.chunk_seconds(chunk, 65536) == pytest.approx(predicted(chunk) - predicted(0))
+    assert predicted(chunk) == pytest.approx(0.050, rel=0.01)
 
 
 def test_cli_accepts_max_step_latency_ms():

@@ -82,8 +82,8 @@ class PrefillBudget:
         self._level, self._seconds_level = self.limits.shares(
             prefilling, waiting, max(token_budget - decode_tokens, 0),
             None if self._limiter is None else self._limiter.chunk_seconds,
-            0.0 if self._limiter is None else max(self._limiter.seconds_left,
-                                                  0.0))
+            0.0 if self._limiter is None else max(
+                self._limiter.prefill_seconds, 0.0))
 
     def admission(self, seq_group: SequenceGroup) -> str:
         """ADMIT, SKIP (a long group while the long slots are taken) or STOP (no slot left)."""

@@ -2,11 +2,11 @@
 
 `--max-step-latency-ms T` sizes the prefill chunks of a step that carries decodes so the
 predicted step time stays within T, with the model and the per-chunk charge of the vLLM 0.26.0
-series: step seconds = c0 + c1 * tokens + c2 * attention pairs + c3 * context read by prefill
-chunks, fitted online
-(`prefill_accel.scheduling.StepTimeModel`); the time the decodes leave within T is spent chunk by
-chunk, each chunk charged its own cost at its own request's context, so a chat prompt next to a
-long document costs what a chat prompt costs. Decodes already come first in V0's chunked-prefill
+series: a step costs what its decodes cost (fixed + per token + per attention pair) plus, when it
+carries prefill chunks, a fixed cost and each chunk's tokens, attention pairs and context read,
+fitted online (`prefill_accel.scheduling.StepTimeModel`); the time the decodes leave within T is
+spent chunk by chunk, each chunk charged its own cost at its own request's context, so a chat
+prompt next to a long document costs what a chat prompt costs. Decodes already come first in V0's chunked-prefill
 policy (the running queue holds them ahead of running prefill chunks).
 
 Timing: the V0 engine runs one step after another while requests run, so a step's wall time is the
@@ -21,7 +21,7 @@ decodes take (`prefill_accel.scheduling.PrefillTime`).
 """
 
 import time
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from prefill_accel.scheduling import PrefillTime, attention_pairs
 
@@ -46,9 +46,9 @@ class StepTimeBudget(PrefillTime):
         super().__init__(max_step_latency_ms, max_num_batched_tokens,
                          max_model_len, min_prefill_tokens)
         self.clock = clock
-        # (tokens, pairs, prefill keys, start) of the last scheduled step, observed at the next
-        # schedule().
-        self._last: Optional[Tuple[int, int, int, float]] = None
+        # (the step's features for StepTimeModel.observe, start) of the last scheduled step,
+        # observed at the next schedule().
+        self._last: Optional[Tuple[Dict[str, int], float]] = None
         self._step_start = 0.0
 
     def begin_step(self, running: Iterable[SequenceGroup]) -> None:
@@ -57,8 +57,8 @@ class StepTimeBudget(PrefillTime):
         now = self.clock()
         running = list(running)
         if self._last is not None and running:
-            tokens, pairs, keys, started = self._last
-            self.model.observe(tokens, pairs, now - started, prefill_keys=keys)
+            step, started = self._last
+            self.model.observe(now - started, **step)
         self._last = None
         self._step_start = now
         decode_tokens = decode_pairs = 0
@@ -88,16 +88,17 @@ class StepTimeBudget(PrefillTime):
 
     def end_step(self, scheduled: List[Tuple[SequenceGroup, int]]) -> None:
         """Remember what the step holds ((group, tokens) pairs) to fit its time at the next step."""
-        tokens = pairs = keys = 0
+        step = dict.fromkeys(("decode_tokens", "decode_pairs", "prefill_tokens",
+                              "prefill_pairs", "prefill_keys"), 0)
         for seq_group, num_tokens in scheduled:
             if seq_group.is_prefill():
                 context = computed_tokens(seq_group)
-                tokens += num_tokens
-                pairs += attention_pairs(context, num_tokens)
-                keys += context
+                step["prefill_tokens"] += num_tokens
+                step["prefill_pairs"] += attention_pairs(context, num_tokens)
+                step["prefill_keys"] += context
             else:
                 for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
-                    tokens += 1
-                    pairs += seq.get_len()
-        if tokens:
-            self._last = (tokens, pairs, keys, self._step_start)
+                    step["decode_tokens"] += 1
+                    step["decode_pairs"] += seq.get_len()
+        if step["decode_tokens"] or step["prefill_tokens"]:
+            self._last = (step, self._step_start)

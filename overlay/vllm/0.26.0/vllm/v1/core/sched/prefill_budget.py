@@ -85,7 +85,7 @@ class PrefillBudget:
             waiting,
             self._tokens_left,
             None if self._limiter is None else self._limiter.chunk_seconds,
-            0.0 if self._limiter is None else max(self._limiter.seconds_left, 0.0),
+            0.0 if self._limiter is None else max(self._limiter.prefill_seconds, 0.0),
         )
 
     def admission(self, request: Request) -> str:

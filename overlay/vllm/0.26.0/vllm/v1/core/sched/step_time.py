@@ -7,31 +7,36 @@ push decodes out of a step.
 
 Step latency target (`--max-step-latency-ms`): the scheduler never sees GPU time, so it learns
 a cost model from the wall time of the steps it schedules and sizes prefill chunks so the
-predicted step time stays within the target. The model of one step is
+predicted step time stays within the target. The model of one step is what its decodes cost
+plus, when it carries prefill chunks, what they add:
 
-    t = c0 + c1 * T + c2 * P + c3 * K
+    t = d0 + d1 * Td + d2 * Pd  [ + p0 + p1 * Tp + p2 * Pp + p3 * K ]
 
-    T  tokens scheduled in the step (prefill and decode): linear layers, sampling
+    T  tokens scheduled in the step (d: decodes, p: prefill chunks): linear layers, sampling
     P  attention pairs: a chunk of q tokens after c computed tokens attends to
        q*c + q*(q+1)/2 keys; a decode (q = 1) reads its c + 1 keys
     K  context the prefill chunks read before their own tokens, c each: a few queries at a
        long context cost about that read, since prefill kernels split the work by queries
-    c0 fixed cost per step (launches, CPU scheduling, sampling)
+    d0 fixed cost per step (launches, CPU scheduling, sampling)
+    p0 fixed cost of carrying any prefill chunk: a decode-only batch replays one full CUDA
+       graph, a batch with a prefill chunk runs piecewise graphs with eager attention
 
-The time the decodes leave within the target is spent chunk by chunk, each chunk charged its
-own cost, c1 * q + c2 * pairs over *its* request's context: a chat prompt that arrives while a
-128K document prefills costs what a chat prompt costs, not what a chunk at the document's
-context would. With concurrent partial prefills (`prefill_budget.py`) the time is shared
-max-min fairly among the step's prefills, so the document's chunk cannot use it all.
+The time the decodes leave within the target is spent chunk by chunk, the first chunk paying
+p0, each its own cost, p1 * q + p2 * pairs over *its* request's context: a chat prompt that
+arrives while a 128K document prefills costs what a chat prompt costs, not what a chunk at the
+document's context would. With concurrent partial prefills (`prefill_budget.py`) the time is
+shared max-min fairly among the step's prefills, so the document's chunk cannot use it all.
 
 The quadratic attention term is what keeps the model honest on long prompts: for an 8B model
 the attention FLOPs per token overtake the linear layers' beyond ~32K tokens of context, so
 a per-token average learnt on early chunks of a 128K prompt underestimates the late ones
-several times. Sparse attention lowers c2, which the fit picks up by itself.
+several times. Sparse attention lowers p2, which the fit picks up by itself.
 
 The model lives in the runtime package (`prefill_accel.scheduling.StepTimeModel`, shared with the
-other engines): an exponentially weighted least-squares fit (an EWMA of the normal equations),
-solved with non-negative coefficients. A step's wall time is measured from its schedule() until its update_from_output(), started no
+other engines): two exponentially weighted least-squares fits (EWMAs of the normal equations)
+with non-negative coefficients, one over decode-only steps and one over the prefill part of the
+others (their time less the decodes' predicted part), each forgetting once per step of its kind.
+A step's wall time is measured from its schedule() until its update_from_output(), started no
 earlier than the previous update_from_output(): with a batch queue (async scheduling) a step
 starts running when the one before it finished, not when it was scheduled. Until the model
 has seen a few steps (`WARMUP_STEPS`), or while no decode is running (nobody's inter-token
@@ -81,8 +86,9 @@ class StepTimeBudget(PrefillTime):
     ) -> None:
         super().__init__(max_step_latency_ms, max_num_scheduled_tokens, max_model_len, min_prefill_tokens)
         self.clock = clock
-        # (scheduler output, tokens, pairs, prefill keys, schedule() start) of steps awaiting output.
-        self._in_flight: deque[tuple[object, int, int, int, float]] = deque(
+        # (scheduler output, the step's features for StepTimeModel.observe, schedule() start) of steps
+        # awaiting output.
+        self._in_flight: deque[tuple[object, dict[str, int], float]] = deque(
             maxlen=MAX_IN_FLIGHT_STEPS
         )
         self._step_start = 0.0
@@ -124,22 +130,26 @@ class StepTimeBudget(PrefillTime):
 
         Called before the scheduler advances num_computed_tokens for the step.
         """
-        tokens = pairs = keys = 0
+        step = dict.fromkeys(("decode_tokens", "decode_pairs", "prefill_tokens", "prefill_pairs", "prefill_keys"), 0)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = requests[req_id]
-            tokens += n
-            pairs += attention_pairs(request.num_computed_tokens, n)
+            pairs = attention_pairs(request.num_computed_tokens, n)
             if request.num_computed_tokens < request.num_prompt_tokens:
-                keys += request.num_computed_tokens
-        if tokens:
-            self._in_flight.append((scheduler_output, tokens, pairs, keys, self._step_start))
+                step["prefill_tokens"] += n
+                step["prefill_pairs"] += pairs
+                step["prefill_keys"] += request.num_computed_tokens
+            else:
+                step["decode_tokens"] += n
+                step["decode_pairs"] += pairs
+        if step["decode_tokens"] or step["prefill_tokens"]:
+            self._in_flight.append((scheduler_output, step, self._step_start))
 
     def observe_output(self, scheduler_output: object) -> None:
         """Fit the model with the wall time of the step whose output just arrived."""
         now = self.clock()
-        for i, (output, tokens, pairs, keys, started) in enumerate(self._in_flight):
+        for i, (output, step, started) in enumerate(self._in_flight):
             if output is scheduler_output:
                 del self._in_flight[i]
-                self.model.observe(tokens, pairs, now - max(started, self._last_output_at), prefill_keys=keys)
+                self.model.observe(now - max(started, self._last_output_at), **step)
                 break
         self._last_output_at = now
