@@ -211,3 +211,32 @@ def test_step_trace_writes_each_step_with_the_prediction_before_it(monkeypatch, 
     assert records[-1]["seconds"] == pytest.approx(step_seconds(2, 800))
     assert records[0]["predicted"] == 0.0  # nothing learnt before the first step
     assert records[-1]["predicted"] == pytest.approx(step_seconds(2, 800), rel=0.05)
+
+
+def test_replaying_a_trace_gives_the_engines_predictions(monkeypatch, tmp_path):
+    """scripts/replay_step_trace.py feeds a fresh model the traced steps in order, as the engine did, so
+    its predictions equal the ones the trace recorded."""
+    import gzip
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "replay_step_trace", Path(__file__).resolve().parents[1] / "scripts" / "replay_step_trace.py")
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("PREFILL_ACCEL_STEP_TRACE", str(path))
+    model = StepTimeModel(token_scale=8192, pair_scale=8192 * MAX_MODEL_LEN)
+    for step in range(40):
+        observe(model, decodes=2, chunk=[0, 300, 0, 800, 0, 900][step % 6])
+    packed = tmp_path / "steps.jsonl.gz"
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    steps = replay.read_trace(packed)
+    predicted = replay.replay(steps, 8192, MAX_MODEL_LEN)
+    assert [g for _, g in predicted] == pytest.approx([s["predicted"] for s in steps], abs=1e-12)
+    rows = {r["kind"]: r for r in replay.report(predicted, capture_size=512)}
+    assert rows["decodes only"]["steps"] == 20
+    assert rows["decodes + prefill, <= 512 tokens"]["steps"] == 7
+    assert rows["decodes + prefill, > 512 tokens"]["steps"] == 13
+    assert json.loads(path.read_text().splitlines()[0])["pid"] > 0
