@@ -36,12 +36,9 @@ def replay(steps: list[dict], token_scale: int, max_model_len: int) -> list[tupl
     predicted = []
     for step in steps:
         model = models.setdefault(step.get("pid", 0), StepTimeModel(token_scale, float(token_scale) * max_model_len))
-        guess = model.decode_seconds(step["decode_tokens"], step["decode_pairs"])
-        if step["prefill_tokens"]:
-            guess += model.prefill_step_seconds + model.prefill_seconds_of(
-                step["prefill_tokens"], step["prefill_pairs"], step["prefill_keys"])
-        predicted.append((step, guess))
-        model.observe(step["seconds"], **{name: step[name] for name in FEATURES})
+        features = {name: step[name] for name in FEATURES}
+        predicted.append((step, model.step_seconds(**features)))
+        model.observe(step["seconds"], **features)
     return predicted
 
 

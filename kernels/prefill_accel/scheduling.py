@@ -218,10 +218,7 @@ class StepTrace:
         return cls(path) if path else None
 
     def write(self, model: "StepTimeModel", seconds: float, **features: int) -> None:
-        predicted = model.decode_seconds(features["decode_tokens"], features["decode_pairs"])
-        if features["prefill_tokens"]:
-            predicted += model.prefill_step_seconds + model.prefill_seconds_of(
-                features["prefill_tokens"], features["prefill_pairs"], features["prefill_keys"])
+        predicted = model.step_seconds(**features)
         record = {"pid": os.getpid(), "t": time.monotonic(), "seconds": seconds, "predicted": predicted, **features}
         self._file.write(json.dumps(record) + "\n")
 
@@ -251,9 +248,9 @@ class StepTimeModel:
         # pair_scale is token_scale times the longest context, which is also the scale of the keys read.
         key_scale = pair_scale / token_scale if key_scale is None else key_scale
         self.decodes = _DecayedFit((1.0, float(token_scale), float(pair_scale)))
-        self.trace = StepTrace.from_env()
         self.prefills = _DecayedFit((1.0, float(token_scale), float(pair_scale), float(key_scale)),
                                     prior=(PREFILL_STEP_PRIOR, 0.0, 0.0, 0.0))
+        self.trace = StepTrace.from_env()
 
     def observe(self, seconds: float, decode_tokens: int = 0, decode_pairs: int = 0, prefill_tokens: int = 0,
                 prefill_pairs: int = 0, prefill_keys: int = 0) -> None:  # fmt: skip
@@ -283,6 +280,14 @@ class StepTimeModel:
     def decode_seconds(self, tokens: float, pairs: float) -> float:
         """Predicted time of a step carrying these decodes and no prefill chunk."""
         return self.decodes.predict((1.0, tokens, pairs))
+
+    def step_seconds(self, decode_tokens: int = 0, decode_pairs: int = 0, prefill_tokens: int = 0,
+                     prefill_pairs: int = 0, prefill_keys: int = 0) -> float:  # fmt: skip
+        """Predicted time of a step with these features (those of `observe`)."""
+        seconds = self.decode_seconds(decode_tokens, decode_pairs)
+        if prefill_tokens:
+            seconds += self.prefill_step_seconds + self.prefill_seconds_of(prefill_tokens, prefill_pairs, prefill_keys)
+        return seconds
 
     @property
     def prefill_step_seconds(self) -> float:
