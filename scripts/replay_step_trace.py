@@ -19,9 +19,6 @@ import statistics
 import sys
 from pathlib import Path
 
-FEATURES = ("decode_tokens", "decode_pairs", "prefill_tokens", "prefill_pairs", "prefill_keys")
-
-
 def read_trace(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
@@ -30,13 +27,13 @@ def read_trace(path: Path) -> list[dict]:
 
 def replay(steps: list[dict], token_scale: int, max_model_len: int) -> list[tuple[dict, float]]:
     """(step, prediction before it) for every step of each engine process in the trace, in order."""
-    from prefill_accel.scheduling import StepTimeModel
+    from prefill_accel.scheduling import STEP_FEATURES, StepTimeModel
 
     models: dict[int, StepTimeModel] = {}
     predicted = []
     for step in steps:
         model = models.setdefault(step.get("pid", 0), StepTimeModel(token_scale, float(token_scale) * max_model_len))
-        features = {name: step[name] for name in FEATURES}
+        features = {name: step[name] for name in STEP_FEATURES}
         predicted.append((step, model.step_seconds(**features)))
         model.observe(step["seconds"], **features)
     return predicted

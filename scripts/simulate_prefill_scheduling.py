@@ -54,24 +54,24 @@ class Costs:
         )  # fmt: skip
 
 
+# SmolLM2-135M on one H200 under vllm serve, from the runs of docs/e2e-vllm.md: ~2 ms decode steps (ITL
+# p50), FA3's 9.87 ms per layer for a 16384-token chunk after 112K tokens (1.5e-10 s per pair over 30 layers),
+# ~8-10 ms for a small chunk at 50K context (0.16 us per context token), 3.2 ms more for a step with a prefill
+# chunk (run 9's step trace: 5.05 ms median for a step of decodes and a chunk of < 64 tokens, 1.79 ms for
+# decodes alone; vLLM's default CUDA graph mode); 3 us per token fits the 8K chunks of a long prompt
+# (chat-sized chunks measured 8-11 us, steps over 512 tokens leave the CUDA graphs: a cliff this linear
+# model leaves out).
+SMOLLM2 = Costs(fixed_s=0.002, per_token_s=3e-6, per_pair_s=1.5e-10, per_context_s=0.16e-6, prefill_step_s=0.0032)
+
 COSTS = {
     # Illustrative: ~16 GFLOP of linear layers per token at ~550 TFLOP/s; 4 * d_model * layers = 0.5 MFLOP
     # per pair at ~400 TFLOP/s; 128 KiB of K/V per context token (32 layers x 8 KV heads x 128 x bf16 x 2)
     # read at ~1 TB/s.
     "8b": Costs(fixed_s=0.005, per_token_s=30e-6, per_pair_s=1.3e-9, per_context_s=0.13e-6),
-    # SmolLM2-135M on one H200 under vllm serve, from the runs of docs/e2e-vllm.md: ~2 ms decode steps
-    # (ITL p50), FA3's 9.87 ms per layer for a 16384-token chunk after 112K tokens (1.5e-10 s per pair over
-    # 30 layers), ~8-10 ms for a small chunk at 50K context (0.16 us per context token), 3.2 ms more for
-    # a step with a prefill chunk (run 9's step trace: 5.05 ms median for a step of decodes and a chunk
-    # of < 64 tokens, 1.79 ms for decodes alone; vLLM's default CUDA graph mode); 3 us per token fits
-    # the 8K chunks of a long prompt (chat-sized chunks measured 8-11 us, steps over 512 tokens leave
-    # the CUDA graphs: a cliff this linear model leaves out).
-    "smollm2": Costs(fixed_s=0.002, per_token_s=3e-6, per_pair_s=1.5e-10, per_context_s=0.16e-6,
-                     prefill_step_s=0.0032),
+    "smollm2": SMOLLM2,
     # The same with --compilation-config '{"cudagraph_mode": "FULL"}': mixed batches up to 512 tokens replay
     # one CUDA graph, a step of decodes and a prefill chunk takes 1.9-3.4 ms (run 10's trace).
-    "smollm2-full-graphs": Costs(fixed_s=0.002, per_token_s=3e-6, per_pair_s=1.5e-10, per_context_s=0.16e-6,
-                                 prefill_step_s=0.0005),
+    "smollm2-full-graphs": dataclasses.replace(SMOLLM2, prefill_step_s=0.0005),
 }
 
 # An 8B Llama-style config with a 128K context; only the scheduler and KV sizing read it.

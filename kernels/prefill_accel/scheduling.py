@@ -200,6 +200,8 @@ class _DecayedFit:
         return sum(c * f for c, f in zip(self.coefficients, features))
 
 
+# What StepTimeModel.observe takes of a step besides its seconds (also the fields of a step trace).
+STEP_FEATURES = ("decode_tokens", "decode_pairs", "prefill_tokens", "prefill_pairs", "prefill_keys")
 # PREFILL_ACCEL_STEP_TRACE=FILE: one JSON line per timed step (appended, with the process id).
 STEP_TRACE_ENV = "PREFILL_ACCEL_STEP_TRACE"
 

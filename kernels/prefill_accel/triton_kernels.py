@@ -121,6 +121,16 @@ def _pool_blocks_kernel(
 
 
 @triton.jit
+def _pooled_logits(q_chunk, pooled_seq, j, n_causal, k_len, qk_scale, stride_pj, dims, BLOCK: tl.constexpr):
+    """Scaled (log2) logits of the rows in ``q_chunk`` against the mean keys of key blocks ``j``, plus
+    the log of each block's length; -inf past the causal blocks."""
+    keys = tl.load(pooled_seq + j[:, None] * stride_pj + dims[None, :], mask=j[:, None] < n_causal, other=0.0)
+    block_len = tl.maximum(tl.minimum(k_len - j * BLOCK, BLOCK), 1).to(tl.float32)
+    logits = _dot(q_chunk, tl.trans(keys.to(q_chunk.dtype))) * qk_scale + tl.log2(block_len)[None, :]
+    return tl.where(j[None, :] < n_causal, logits, float("-inf"))
+
+
+@triton.jit
 def _pooled_scores(q, pooled, scores, row_stats, qb, h, seq, pos, k_len, q_start, prefix, n_causal, out_row,
                    stride_qt, stride_qh, stride_pb, stride_pj, stride_ph, qk_scale,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, STRIDE: tl.constexpr,
@@ -144,10 +154,7 @@ def _pooled_scores(q, pooled, scores, row_stats, qb, h, seq, pos, k_len, q_start
         row_sum = tl.zeros([ROW_CHUNK], dtype=tl.float32)
         for j0 in range(0, n_causal, BLOCK_J):
             j = j0 + cols
-            keys = tl.load(pooled_seq + j[:, None] * stride_pj + dims[None, :], mask=j[:, None] < n_causal, other=0.0)
-            block_len = tl.maximum(tl.minimum(k_len - j * BLOCK, BLOCK), 1).to(tl.float32)
-            logits = _dot(q_chunk, tl.trans(keys.to(q_chunk.dtype))) * qk_scale + tl.log2(block_len)[None, :]
-            logits = tl.where(j[None, :] < n_causal, logits, float("-inf"))
+            logits = _pooled_logits(q_chunk, pooled_seq, j, n_causal, k_len, qk_scale, stride_pj, dims, BLOCK)
             new_max = tl.maximum(row_max, tl.max(logits, axis=1))
             row_sum = row_sum * tl.exp2(row_max - new_max) + tl.sum(tl.exp2(logits - new_max[:, None]), axis=1)
             row_max = new_max
@@ -158,9 +165,7 @@ def _pooled_scores(q, pooled, scores, row_stats, qb, h, seq, pos, k_len, q_start
         inv_sum = tl.load(stats + ROW_CHUNK + tl.arange(0, ROW_CHUNK))
         for j0 in range(0, n_causal, BLOCK_J):
             j = j0 + cols
-            keys = tl.load(pooled_seq + j[:, None] * stride_pj + dims[None, :], mask=j[:, None] < n_causal, other=0.0)
-            block_len = tl.maximum(tl.minimum(k_len - j * BLOCK, BLOCK), 1).to(tl.float32)
-            logits = _dot(q_chunk, tl.trans(keys.to(q_chunk.dtype))) * qk_scale + tl.log2(block_len)[None, :]
+            logits = _pooled_logits(q_chunk, pooled_seq, j, n_causal, k_len, qk_scale, stride_pj, dims, BLOCK)
             mass = tl.sum(tl.exp2(logits - row_max[:, None]) * inv_sum[:, None], axis=0)
             previous = tl.load(scores + out_row + j, mask=j < n_causal, other=0.0)
             tl.store(scores + out_row + j, previous + mass, mask=j < n_causal)

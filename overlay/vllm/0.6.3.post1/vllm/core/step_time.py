@@ -23,7 +23,7 @@ decodes take (`prefill_accel.scheduling.PrefillTime`).
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
-from prefill_accel.scheduling import PrefillTime, attention_pairs
+from prefill_accel.scheduling import STEP_FEATURES, PrefillTime, attention_pairs
 
 from vllm.sequence import SequenceGroup, SequenceStatus
 
@@ -88,8 +88,7 @@ class StepTimeBudget(PrefillTime):
 
     def end_step(self, scheduled: List[Tuple[SequenceGroup, int]]) -> None:
         """Remember what the step holds ((group, tokens) pairs) to fit its time at the next step."""
-        step = dict.fromkeys(("decode_tokens", "decode_pairs", "prefill_tokens",
-                              "prefill_pairs", "prefill_keys"), 0)
+        step = dict.fromkeys(STEP_FEATURES, 0)
         for seq_group, num_tokens in scheduled:
             if seq_group.is_prefill():
                 context = computed_tokens(seq_group)

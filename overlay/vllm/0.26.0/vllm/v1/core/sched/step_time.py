@@ -52,7 +52,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from prefill_accel.scheduling import PrefillTime, attention_pairs
+from prefill_accel.scheduling import STEP_FEATURES, PrefillTime, attention_pairs
 
 from vllm.v1.request import Request
 
@@ -130,7 +130,7 @@ class StepTimeBudget(PrefillTime):
 
         Called before the scheduler advances num_computed_tokens for the step.
         """
-        step = dict.fromkeys(("decode_tokens", "decode_pairs", "prefill_tokens", "prefill_pairs", "prefill_keys"), 0)
+        step = dict.fromkeys(STEP_FEATURES, 0)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = requests[req_id]
             pairs = attention_pairs(request.num_computed_tokens, n)
