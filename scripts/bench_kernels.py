@@ -154,56 +154,59 @@ def threshold_for_density(args, target: float, base: SparsePrefillConfig) -> tup
     return best
 
 
-def check_correctness(dtypes, head_dims, page_sizes) -> list[str]:
-    """Fresh random inputs vs the float32 reference, with a poisoned output buffer."""
+def check_correctness(dtypes, head_dims, page_sizes, log=lambda line: None) -> list[str]:
+    """Fresh random inputs vs the float32 reference, with a poisoned output buffer, for each way of
+    reading K/V the GPU has (TMA from compute capability 9.0)."""
     lines = []
-    for dtype in dtypes:
-        for head_dim in head_dims:
-            for page_size in page_sizes:
-                q_lens, k_lens = [3000, 1000, 517], [3000, 5000, 2600]
-                heads, num_kv = 8, 2
-                q = torch.randn(sum(q_lens), heads, head_dim, device="cuda", dtype=dtype)
-                n_pages = sum(-(-k // page_size) for k in k_lens)
-                k_cache = torch.randn(n_pages, page_size, num_kv, head_dim, device="cuda", dtype=dtype)
-                v_cache = torch.randn_like(k_cache)
-                perm = torch.randperm(n_pages, device="cuda").to(torch.int32)
-                table = torch.zeros(len(k_lens), max(-(-k // page_size) for k in k_lens), dtype=torch.int32, device="cuda")
-                used = 0
-                for i, k_len in enumerate(k_lens):
-                    n = -(-k_len // page_size)
-                    table[i, :n] = perm[used : used + n]
-                    used += n
-                cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-                seqlens = torch.tensor(k_lens, dtype=torch.int32, device="cuda")
-                args = (q, k_cache, v_cache, table, cu, seqlens)
+    kv_reads = ("tma", "pointer") if torch.cuda.get_device_capability()[0] >= 9 else ("pointer",)
+    for dtype, head_dim, page_size, reads in itertools.product(dtypes, head_dims, page_sizes, kv_reads):
+        triton_kernels.KV_READS = reads
+        q_lens, k_lens = [3000, 1000, 517], [3000, 5000, 2600]
+        heads, num_kv = 8, 2
+        q = torch.randn(sum(q_lens), heads, head_dim, device="cuda", dtype=dtype)
+        n_pages = sum(-(-k // page_size) for k in k_lens)
+        k_cache = torch.randn(n_pages, page_size, num_kv, head_dim, device="cuda", dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        perm = torch.randperm(n_pages, device="cuda").to(torch.int32)
+        table = torch.zeros(len(k_lens), max(-(-k // page_size) for k in k_lens), dtype=torch.int32, device="cuda")
+        used = 0
+        for i, k_len in enumerate(k_lens):
+            n = -(-k_len // page_size)
+            table[i, :n] = perm[used : used + n]
+            used += n
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        seqlens = torch.tensor(k_lens, dtype=torch.int32, device="cuda")
+        args = (q, k_cache, v_cache, table, cu, seqlens)
+        ref_out, ref_lse = reference.dense_paged_attention(*args)
+        cases = ((0.0, 0, "pooled"), (0.05, 0, "pooled"), (0.05, 0, "exact"), (0.05, 1 << 20, "pooled"))
+        for threshold, min_q_len, estimator in cases:
+            config = SparsePrefillConfig(threshold=threshold, min_q_len=min_q_len, estimator=estimator)
+            if min_q_len:  # an all-dense batch of fresh prefills: the cuDNN route
+                fresh = slice(0, q_lens[0])
+                args = (q[fresh], k_cache, v_cache, table[:1], cu[:2], seqlens[:1].clone().fill_(q_lens[0]))
                 ref_out, ref_lse = reference.dense_paged_attention(*args)
-                cases = ((0.0, 0, "pooled"), (0.05, 0, "pooled"), (0.05, 0, "exact"), (0.05, 1 << 20, "pooled"))
-                for threshold, min_q_len, estimator in cases:
-                    config = SparsePrefillConfig(threshold=threshold, min_q_len=min_q_len, estimator=estimator)
-                    if min_q_len:  # an all-dense batch of fresh prefills: the cuDNN route
-                        fresh = slice(0, q_lens[0])
-                        args = (q[fresh], k_cache, v_cache, table[:1], cu[:2], seqlens[:1].clone().fill_(q_lens[0]))
-                        ref_out, ref_lse = reference.dense_paged_attention(*args)
-                    out = torch.full_like(args[0], float("nan"))
-                    got, lse = sparse_prefill_attention(*args, config=config, out=out)
-                    if threshold == 0 or min_q_len:
-                        target, target_lse = ref_out, ref_lse
-                    else:
-                        index = select_blocks(q, k_cache, table, cu, seqlens, config=config)
-                        target, target_lse = reference.block_masked_attention(*args, index)
-                    err = ((got.float() - target).norm() / target.norm()).item()
-                    lse_err = (lse - target_lse).abs().max().item()
-                    ok = torch.isfinite(got).all().item() and err < 2e-2 and lse_err < 1e-2
-                    scores = ""
-                    if estimator == "exact":  # the search's estimate itself against the float64 reference
-                        want = reference.select_blocks(q, k_cache, table, cu, seqlens, config)
-                        score_err = (index.scores - want.scores).abs().max().item()
-                        ok = ok and score_err < 1e-3
-                        scores = f" score_err={score_err:.1e}"
-                    lines.append(
-                        f"{'ok ' if ok else 'BAD'} {str(dtype):15s} d={head_dim:3d} page={page_size:2d} th={threshold} "
-                        f"min_q_len={min_q_len} {estimator}: rel_err={err:.2e} lse_err={lse_err:.1e}{scores}"
-                    )
+            out = torch.full_like(args[0], float("nan"))
+            got, lse = sparse_prefill_attention(*args, config=config, out=out)
+            if threshold == 0 or min_q_len:
+                target, target_lse = ref_out, ref_lse
+            else:
+                index = select_blocks(q, k_cache, table, cu, seqlens, config=config)
+                target, target_lse = reference.block_masked_attention(*args, index)
+            err = ((got.float() - target).norm() / target.norm()).item()
+            lse_err = (lse - target_lse).abs().max().item()
+            ok = torch.isfinite(got).all().item() and err < 2e-2 and lse_err < 1e-2
+            scores = ""
+            if estimator == "exact":  # the search's estimate itself against the float64 reference
+                want = reference.select_blocks(q, k_cache, table, cu, seqlens, config)
+                score_err = (index.scores - want.scores).abs().max().item()
+                ok = ok and score_err < 1e-3
+                scores = f" score_err={score_err:.1e}"
+            lines.append(
+                f"{'ok ' if ok else 'BAD'} {str(dtype):15s} d={head_dim:3d} page={page_size:2d} {reads:7s} th={threshold} "
+                f"min_q_len={min_q_len} {estimator}: rel_err={err:.2e} lse_err={lse_err:.1e}{scores}"
+            )
+            log(lines[-1])
+    triton_kernels.KV_READS = "auto"
     return lines
 
 
@@ -226,6 +229,11 @@ def bench_length(length, args, results):
     triton_dense = lambda: triton_kernels.block_sparse_attention(*kernel_args, layout, None, scale, False, out)  # noqa: E731
     row["ours_dense_ms"] = cuda_time(triton_dense, reps)
     row["autotuned_tile"] = str(getattr(triton_kernels._attention_kernel, "best_config", None))
+    row["kv_reads"] = triton_kernels.kv_read_mode(q, k_cache, v_cache)
+    pointer_dense = lambda: triton_kernels.block_sparse_attention(*kernel_args, layout, None, scale, False, out, kv_reads="pointer")  # noqa: E731
+    row["ours_dense_pointer_ms"] = cuda_time(pointer_dense, reps)
+    stage = lambda: triton_kernels.stage_kv(k_cache, v_cache, table, seqlens, layout, range(num_kv))  # noqa: E731
+    row["stage_ms"] = cuda_time(stage, reps)
     if args.tiles:
         row["tiles"] = tile_sweep(kernel_args, layout, scale, out, flops, row["cudnn_ms"], reps)
     row["public_default_ms"] = cuda_time(lambda: sparse_prefill_attention(*kernel_args, out=out), reps)
@@ -234,7 +242,7 @@ def bench_length(length, args, results):
     dense_out = sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION)()[0].transpose(0, 1).float()
     ours_dense = triton_dense()[0].clone()
     row["ours_dense_err"] = ((ours_dense.float() - dense_out).norm() / dense_out.norm()).item()
-    for name in ("cudnn", "fa2", "ours_dense"):
+    for name in ("cudnn", "fa2", "ours_dense", "ours_dense_pointer"):
         row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
     row["sparse"] = []
     select_args = (q, k_cache, table, cu, seqlens)
@@ -248,11 +256,13 @@ def bench_length(length, args, results):
         attend = cuda_time(lambda: block_sparse_attention(*kernel_args, index, out=out), reps)
         unsplit = lambda: triton_kernels.block_sparse_attention(*kernel_args, index.layout, index, scale, False, out, split_kv=False)  # noqa: B023, E731
         attend_unsplit = cuda_time(unsplit, reps)
+        pointer = lambda: triton_kernels.block_sparse_attention(*kernel_args, index.layout, index, scale, False, out, kv_reads="pointer")  # noqa: B023, E731
+        attend_pointer = cuda_time(pointer, reps)
         sparse_out, _ = sparse_prefill_attention(*kernel_args, config=config)
         err = ((sparse_out.float() - dense_out).norm() / dense_out.norm()).item()
         row["sparse"].append(
             dict(estimator=estimator, target=target, threshold=threshold, density=density, total_ms=total, select_ms=select,
-                 attention_ms=attend, attention_unsplit_ms=attend_unsplit,
+                 attention_ms=attend, attention_unsplit_ms=attend_unsplit, attention_pointer_ms=attend_pointer,
                  long_rows=index.layout.long_rows.numel(), rel_err=err, speedup_cudnn=row["cudnn_ms"] / total, speedup_fa2=row["fa2_ms"] / total)
         )
     results.append(row)
@@ -306,8 +316,7 @@ def main() -> int:
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d')}", flush=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     if not args.skip_check:
-        lines = check_correctness((torch.bfloat16, torch.float16), (64, 128, 256), (1, 16))
-        print("\n".join(lines), flush=True)
+        lines = check_correctness((torch.bfloat16, torch.float16), (64, 128, 256), (1, 16, 64), log=lambda line: print(line, flush=True))
         report["correctness"] = lines
     results = []
     for length in (int(x) for x in args.lengths.split(",")):
@@ -319,18 +328,19 @@ def main() -> int:
     report["real"] = [bench_real(Path(p), SparsePrefillConfig(), args.repeats, args.page_size) for p in args.real]
     for row in report["real"]:
         print(json.dumps(row), flush=True)
-    print("\n| N | cuDNN ms (TFLOP/s) | FA2 ms (TFLOP/s) | ours dense ms (TFLOP/s, % cuDNN) | default config ms | estimator | density | sparse ms | select ms | attention ms split / unsplit | vs cuDNN | vs FA2 | rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| N | cuDNN ms (TFLOP/s) | FA2 ms (TFLOP/s) | ours dense ms (TFLOP/s, % cuDNN) | pointer reads ms (% cuDNN) | staging ms | default config ms | estimator | density | sparse ms | select ms | attention ms split / unsplit / pointer | vs cuDNN | vs FA2 | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in results:
         head = (
             f"| {row['length'] // 1024}K | {row['cudnn_ms']:.2f} ({row['cudnn_tflops']:.0f}) | {row['fa2_ms']:.2f} ({row['fa2_tflops']:.0f}) "
             f"| {row['ours_dense_ms']:.2f} ({row['ours_dense_tflops']:.0f}, {100 * row['cudnn_ms'] / row['ours_dense_ms']:.0f}%) "
+            f"| {row['ours_dense_pointer_ms']:.2f} ({100 * row['cudnn_ms'] / row['ours_dense_pointer_ms']:.0f}%) | {row['stage_ms']:.2f} "
             f"| {row['public_default_ms']:.2f} "
         )
         for s in row["sparse"]:
             print(
                 head + f"| {s['estimator']} | {100 * s['density']:.1f}% | {s['total_ms']:.2f} | {s['select_ms']:.2f} "
-                f"| {s['attention_ms']:.2f} / {s['attention_unsplit_ms']:.2f} "
+                f"| {s['attention_ms']:.2f} / {s['attention_unsplit_ms']:.2f} / {s['attention_pointer_ms']:.2f} "
                 f"| {s['speedup_cudnn']:.1f}x | {s['speedup_fa2']:.1f}x | {s['rel_err']:.1e} |"
             )
     for row in results:

@@ -33,21 +33,26 @@ def sampled_rows(block: int, pos: int, length: int, stride: int) -> torch.Tensor
     return rows if len(rows) else torch.tensor([min((pos + 1) * block, length) - 1])
 
 
-def pooled_estimate(q, k, block: int, scale: float, stride: int) -> torch.Tensor:
+def pooled_estimate(q, k, block: int, scale: float, stride: int, pool: int | None = None) -> torch.Tensor:
     """(nb, Hkv, nb): softmax over causal key blocks of q . mean key + ln(keys in block), averaged
-    over the sampled rows and the query heads of each KV head's group."""
+    over the sampled rows and the query heads of each KV head's group. With ``pool`` (a divisor of
+    the block) the means are of ``pool``-key sub-blocks and a block's estimate sums its sub-blocks' shares."""
     length, heads, dim = q.shape
     num_kv = k.shape[1]
-    nb = -(-length // block)
-    padded = torch.nn.functional.pad(k.float(), (0, 0, 0, 0, 0, nb * block - length)).view(nb, block, num_kv, dim)
-    count = torch.clamp(length - torch.arange(nb) * block, max=block).float()
-    mean_k = padded.sum(1) / count[:, None, None]
+    pool = pool or block
+    nb, per_block = -(-length // block), block // pool
+    ns = nb * per_block
+    padded = torch.nn.functional.pad(k.float(), (0, 0, 0, 0, 0, ns * pool - length)).view(ns, pool, num_kv, dim)
+    count = torch.clamp(length - torch.arange(ns) * pool, min=0, max=pool).float()
+    mean_k = padded.sum(1) / count.clamp(min=1)[:, None, None]
     est = torch.zeros(nb, num_kv, nb)
     for pos in range(nb):
         rows = sampled_rows(block, pos, length, stride)
         qs = q[rows].float().view(len(rows), num_kv, heads // num_kv, dim)
-        logits = torch.einsum("rhgd,jhd->hgrj", qs, mean_k[: pos + 1]) * scale + count[: pos + 1].log()
-        est[pos, :, : pos + 1] = torch.softmax(logits, -1).mean((1, 2))
+        visible = (pos + 1) * per_block
+        logits = torch.einsum("rhgd,jhd->hgrj", qs, mean_k[:visible]) * scale + count[:visible].log()
+        shares = torch.softmax(logits, -1).mean((1, 2))  # (Hkv, sub-blocks); empty sub-blocks get 0
+        est[pos, :, : pos + 1] = shares.view(num_kv, pos + 1, per_block).sum(-1)
     return est
 
 
@@ -97,6 +102,7 @@ def main() -> int:
     parser.add_argument("--recall", type=float, default=0.95)
     parser.add_argument("--query-stride", type=int, default=4, help="of the pooled-key estimate")
     parser.add_argument("--exact-rows", default="1,2,8", help="rows per block of the exact estimates")
+    parser.add_argument("--pooled", default="", help="more pooled estimates, as stride:pool pairs (e.g. 16:32,8:64)")
     parser.add_argument("--sink-blocks", type=int, default=1)
     parser.add_argument("--local-blocks", type=int, default=2)
     args = parser.parse_args()
@@ -108,7 +114,10 @@ def main() -> int:
         scale = data.get("scale") or q.shape[-1] ** -0.5
         mass = block_attention_mass(q, k, args.block_size, scale)
         estimates = {f"pooled keys, stride {args.query_stride}": pooled_estimate(q, k, args.block_size, scale, args.query_stride)}
-        for n in (int(x) for x in args.exact_rows.split(",")):
+        for pair in filter(None, args.pooled.split(",")):
+            stride, pool = (int(x) for x in pair.split(":"))
+            estimates[f"pooled {pool}-key means, stride {stride}"] = pooled_estimate(q, k, args.block_size, scale, stride, pool)
+        for n in (int(x) for x in filter(None, args.exact_rows.split(","))):
             estimates[f"exact, {n} row{'s' if n > 1 else ''} per block"] = exact_estimate(q, k, args.block_size, scale, n)
         for name, est in estimates.items():
             r = at_recall(mass, est, args.recall, args.sink_blocks, args.local_blocks)

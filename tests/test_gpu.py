@@ -24,7 +24,7 @@ def bench():
 
 
 def test_kernels_match_reference_on_gpu(bench):
-    lines = bench.check_correctness((torch.bfloat16, torch.float16), (64, 128, 256), (1, 16))
+    lines = bench.check_correctness((torch.bfloat16, torch.float16), (64, 128, 256), (1, 16, 64))
     bad = [line for line in lines if not line.startswith("ok")]
     assert not bad, "\n".join(bad)
 

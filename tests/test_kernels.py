@@ -113,6 +113,89 @@ def test_explicit_tile_without_split_matches_the_reference(monkeypatch, tile):
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
 
 
+def poison_rows_past_the_end(batch) -> None:
+    """NaN in every cache row no sequence holds, so a kernel that lets one into a sum is caught."""
+    page_size = batch.k_cache.shape[1]
+    used = torch.zeros(batch.k_cache.shape[:2], dtype=torch.bool, device=batch.k_cache.device)
+    for seq, k_len in enumerate(batch.seqlens_k.tolist()):
+        pos = torch.arange(k_len, device=used.device)
+        used[batch.page_table[seq, pos // page_size].long(), pos % page_size] = True
+    batch.k_cache[~used] = float("nan")
+    batch.v_cache[~used] = float("nan")
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64], ids=["staged-page1", "staged-page16", "direct-page64"])
+@pytest.mark.parametrize("threshold", [0.0, 0.5], ids=["dense", "sparse"])
+def test_tma_reads_match_the_reference(monkeypatch, page_size, threshold):
+    """K/V read by bulk tensor copies (forced on; the interpreter emulates them): from a staged copy
+    when pages are smaller than a tile, from the cache itself at page 64, whose last pages hold NaN
+    past each sequence."""
+    monkeypatch.setattr(triton_kernels, "KV_READS", "tma")
+    batch = make_batch(**MIXED, num_heads=8, num_kv_heads=2, page_size=page_size, dtype=torch.bfloat16, device=DEVICE)
+    poison_rows_past_the_end(batch)
+    assert triton_kernels._pages_hold_tiles(batch.k_cache) == (page_size == 64)
+    config = sparse_config(threshold=threshold)
+    out, lse = sparse_prefill_attention(*batch.args, config=config, out=poisoned_out(batch.q))
+    if threshold == 0:
+        want, want_lse = reference.dense_paged_attention(*batch.args)
+    else:
+        want, want_lse = reference.block_masked_attention(*batch.args, select_blocks(*batch.search_args, config=config))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all(), "every output row and lse must be written"
+    assert rel_err(out, want) < TOL[torch.bfloat16]
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
+
+
+def test_tma_staging_in_head_groups_with_mean_correction(monkeypatch):
+    """A staging budget below one KV head's copy: each head is staged and launched on its own."""
+    monkeypatch.setattr(triton_kernels, "KV_READS", "tma")
+    monkeypatch.setattr(triton_kernels, "STAGE_BYTES", 1)
+    staged = []
+    stage = triton_kernels.stage_kv
+    monkeypatch.setattr(triton_kernels, "stage_kv", lambda *a: staged.append(a[-1]) or stage(*a))
+    batch = make_batch(**MIXED, num_heads=6, num_kv_heads=3, device=DEVICE)
+    config = sparse_config(mean_correction=True)
+    index = select_blocks(*batch.search_args, config=config)
+    out, lse = sparse_prefill_attention(*batch.args, config=config, out=poisoned_out(batch.q))
+    assert staged == [range(0, 1), range(1, 2), range(2, 3)]
+    want, want_lse = reference.block_masked_attention(*batch.args, index, mean_correction=True)
+    assert rel_err(out, want) < TOL[torch.float16]
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
+
+
+def test_staged_copy_holds_each_key_block():
+    batch = make_batch(q_lens=[70, 0, 33], k_lens=[200, 90, 161], num_heads=6, num_kv_heads=3, device=DEVICE)
+    layout = layout_module.BatchLayout.build(batch.cu_seqlens_q, batch.seqlens_k, sparse_config(), batch.q.device)
+    staging = layout.staging
+    # Blocks of 64: 4 of the first sequence, none of the second (no queries), 3 of the third.
+    assert staging.seq.tolist() == [0, 0, 0, 0, 2, 2, 2] and staging.block.tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert staging.table[0].tolist() == [0, 1, 2, 3] and staging.table[2, :3].tolist() == [4, 5, 6]
+    keys, values = triton_kernels.stage_kv(batch.k_cache, batch.v_cache, batch.page_table, batch.seqlens_k, layout, range(1, 3))
+    for page, (seq, block) in enumerate(zip(staging.seq.tolist(), staging.block.tolist())):
+        k_len = batch.seqlens_k[seq].item()
+        pos = torch.arange(block * 64, (block + 1) * 64).clamp(max=k_len - 1)  # past the end: the last row again
+        for staged, cache in ((keys, batch.k_cache), (values, batch.v_cache)):
+            want = reference.gather_kv(cache, batch.page_table, seq, k_len)[pos, 1:3]
+            assert torch.equal(staged[page], want)
+
+
+def test_kv_read_mode_and_direct_tma_pages(monkeypatch):
+    narrow = make_batch([64], [64], head_dim=64, device=DEVICE)
+    wide = make_batch([64], [64], head_dim=128, page_size=64, device=DEVICE)
+    hopper = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    assert triton_kernels.kv_read_mode(narrow.q, narrow.k_cache, narrow.v_cache) == "pointer"
+    assert triton_kernels.kv_read_mode(wide.q, wide.k_cache, wide.v_cache) == ("tma" if hopper else "pointer")
+    long_sparse = triton_kernels.kv_read_mode(wide.q, wide.k_cache, wide.v_cache, sparse_context=32768)
+    assert long_sparse == ("tma" if hopper else "pointer")
+    assert triton_kernels.kv_read_mode(wide.q, wide.k_cache, wide.v_cache, sparse_context=16384) == "pointer"
+    for forced in ("tma", "pointer"):
+        monkeypatch.setattr(triton_kernels, "KV_READS", forced)
+        assert triton_kernels.kv_read_mode(narrow.q, narrow.k_cache, narrow.v_cache) == forced
+    assert not triton_kernels._pages_hold_tiles(narrow.k_cache), "pages of 16 rows are narrower than a tile"
+    assert triton_kernels._pages_hold_tiles(wide.k_cache)
+    heads_apart = wide.k_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not triton_kernels._pages_hold_tiles(heads_apart), "a row of the cache must hold every head side by side"
+
+
 def test_selection_matches_reference_search():
     batch = make_batch(**MIXED, num_heads=8, num_kv_heads=2, dtype=torch.float16, device=DEVICE)
     configs = (

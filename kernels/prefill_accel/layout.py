@@ -9,6 +9,7 @@ of its first query block. Query block ``i`` sees key blocks ``0 .. i`` and masks
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -80,6 +81,20 @@ class BatchLayout:
         """Number of (query block, key block) pairs allowed by causality, per KV head."""
         return causal_block_count(self.q_lens, self.k_lens, self.block_size)
 
+    @cached_property
+    def staging(self) -> "Staging":
+        """Where the key blocks of the sequences with queries go in a staged copy of the cache
+        (built on first use, once per layout)."""
+        blocks = torch.tensor([-(-k // self.block_size) if q else 0 for q, k in zip(self.q_lens, self.k_lens)])
+        pages = int(blocks.sum())
+        seq = torch.repeat_interleave(torch.arange(self.batch, dtype=torch.int32), blocks)
+        first_page = torch.cumsum(blocks, 0) - blocks
+        block = torch.arange(pages, dtype=torch.int32) - first_page[seq.long()].to(torch.int32)
+        table = torch.zeros(self.batch, max(self.max_k_blocks, 1), dtype=torch.int32)
+        table[torch.arange(table.shape[1]) < blocks[:, None]] = torch.arange(pages, dtype=torch.int32)
+        device = self.qblock_seq.device
+        return Staging(seq=_to_device(seq, device), block=_to_device(block, device), table=_to_device(table, device))
+
     @classmethod
     def build(
         cls,
@@ -117,10 +132,7 @@ class BatchLayout:
         long_rows = [i for i, flag in enumerate(long_flags) if flag]
 
         def as_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-            host = torch.tensor(values, dtype=dtype)
-            if torch.device(device).type != "cuda":
-                return host.to(device)
-            return host.pin_memory().to(device, non_blocking=True)  # queued, the host does not wait
+            return _to_device(torch.tensor(values, dtype=dtype), device)
 
         return cls(
             block_size=block,
@@ -136,6 +148,28 @@ class BatchLayout:
             long_row_flags=as_tensor(long_flags, torch.int8),
             long_row_blocks=max((positions[i] for i in long_rows), default=0),
         )
+
+
+def _to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on ``device``; to a GPU it is queued from pinned memory, the host does not wait."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class Staging:
+    """A contiguous copy of the key blocks a step reads, one page per block: staged page ``p``
+    holds key block ``block[p]`` of sequence ``seq[p]``, and ``table`` (batch, max_k_blocks) is
+    the page table of the copy (entries of sequences without queries are unused)."""
+
+    seq: torch.Tensor
+    block: torch.Tensor
+    table: torch.Tensor
+
+    @property
+    def pages(self) -> int:
+        return self.seq.numel()
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Triton kernels: key-block pooling, block selection, and block-sparse FlashAttention over a paged cache.
 
-Block geometry is described in :mod:`prefill_accel.layout`. All kernels read K and V through the
-page table one token row at a time, so any page size works (1 for SGLang, 16 for vLLM).
+Block geometry is described in :mod:`prefill_accel.layout`. The search kernels read K through the
+page table one token row at a time, so any page size works (1 for SGLang, 16 for vLLM); the attention
+kernel reads K/V tiles that way too, or with TMA bulk copies where the GPU has them (kv_read_mode).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .config import SparsePrefillConfig
 from .layout import BatchLayout, BlockIndex
@@ -36,36 +38,64 @@ EXACT_WAVES = 2  # see exact_splits
 MIN_EXACT_SPLIT_BLOCKS = 8  # 1K keys at block 128: enough walk per range to pay for its share of the merge
 
 
+# Tile shapes (BLOCK_M, BLOCK_N, warps, stages) of the attention kernel. Rows gathered through the
+# page table (pointer reads) and rows brought by bulk tensor copies (TMA) favour different shapes:
+# on the H200 at head_dim 128 the TMA kernel ran best with one warpgroup per 128 query rows.
+POINTER_TILES = [
+    (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 2), (64, 32, 4, 2),
+    (128, 128, 4, 2),  # the best at head_dim 64 (71-78% of cuDNN at 32K-128K on the H200)
+    (64, 128, 4, 3),
+]  # fmt: skip
+TMA_TILES = [(128, 64, 4, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 4, 2), (64, 32, 4, 2)]
+# Head sizes read with TMA by default. On the H200 (docs/benchmarks.md, run D) TMA reads ran the dense
+# mode at 72-91% of cuDNN against 51-62% with pointer reads at head_dim 128 (8K-128K) and sped the
+# sparse path up from 32K; at head_dim 64 (9 / 3 heads) they gained less in the dense mode and lost in
+# the sparse path; 256 was checked for correctness only.
+TMA_HEAD_DIMS = (128,)
+# Below this context a sparse launch reads through the page table: at 8K and 16K (32 / 8 heads) the
+# staging copy and the short walks made TMA reads 0.1 ms slower; from 32K they were faster.
+TMA_SPARSE_MIN_KEYS = 32768
+INTERPRET_TILE = (64, 64, 4, 1)  # the interpreter gets the one with fewest programs
+STAGE_BYTES = 256 * 2**20  # the most K+V one launch stages for TMA reads (see stage_kv)
+# PREFILL_ACCEL_KV_READS=pointer keeps every K/V read on the page-table gather, even where TMA works.
+KV_READS = os.environ.get("PREFILL_ACCEL_KV_READS", "auto")
+# PREFILL_ACCEL_AUTOTUNE=0 takes the first fitting tile shape of the list without timing any (quick first calls).
+AUTOTUNE = os.environ.get("PREFILL_ACCEL_AUTOTUNE", "1") != "0"
+
+
+def _set_descriptor_blocks(nargs) -> None:
+    """Autotuning pre-hook: the TMA descriptors bring BLOCK_N rows of one head per copy."""
+    for name in ("k_desc", "v_desc"):
+        if nargs[name] is not None:
+            nargs[name].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
+
+
 def _attention_configs() -> list[triton.Config]:
-    """Tile shapes tried for the attention kernel; the interpreter gets the one with fewest programs."""
-    if INTERPRET:
-        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)]
+    """Tile shapes tried for the attention kernel: both lists, pruned to the launch's read mode."""
+    shapes = [INTERPRET_TILE] if INTERPRET else list(dict.fromkeys(POINTER_TILES + TMA_TILES))
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in [
-            (128, 64, 8, 3),
-            (128, 128, 8, 3),
-            (128, 64, 4, 3),
-            (64, 64, 4, 3),
-            (128, 32, 4, 2),
-            (64, 32, 4, 2),
-            (128, 128, 4, 2),  # the best at head_dim 64 (71-78% of cuDNN at 32K-128K on the H200)
-            (64, 128, 4, 3),
-        ]
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=_set_descriptor_blocks)
+        for bm, bn, w, s in shapes
     ]
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Drop tiles that do not divide the block or would not fit in shared memory for large heads."""
-    block, head_dim = kwargs["BLOCK"], kwargs["HEAD_DIM"]
+    """Keep the tiles of the launch's read mode that divide the block (and, with TMA, the page)
+    and fit in shared memory for large heads."""
+    block, head_dim, tma = kwargs["BLOCK"], kwargs["HEAD_DIM"], kwargs["TMA"]
+    mode_tiles = set(TMA_TILES if tma else POINTER_TILES) | {INTERPRET_TILE}
     kept = [
         c
         for c in configs
-        if block % c.kwargs["BLOCK_M"] == 0
+        if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in mode_tiles
+        and block % c.kwargs["BLOCK_M"] == 0
         and block % c.kwargs["BLOCK_N"] == 0
+        and (not tma or kwargs["PAGE_SIZE"] % c.kwargs["BLOCK_N"] == 0)
         and (head_dim < 256 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64)
     ]
-    return kept or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    if kept and not AUTOTUNE:
+        return kept[:1]
+    return kept or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=1, pre_hook=_set_descriptor_blocks)]
 
 
 @triton.jit
@@ -80,6 +110,29 @@ def _kv_slots(page_table_row, pos, PAGE_SIZE: tl.constexpr, mask):
     """Page and slot of the cache rows holding token positions ``pos`` of one sequence."""
     page = tl.load(page_table_row + pos // PAGE_SIZE, mask=mask).to(tl.int64)  # masked lanes are never read through
     return page, (pos % PAGE_SIZE).to(tl.int64)
+
+
+@triton.jit
+def _kv_tile(cache, desc, pt_row, k_first, kv_head, kv_column, stride_p, stride_s, stride_h, valid,
+             HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """The BLOCK_N cache rows of one sequence's keys (or values) from position ``k_first`` on.
+
+    With TMA the tile lies in one page (PAGE_SIZE is a multiple of BLOCK_N) and one bulk copy
+    through ``desc``, the cache viewed as (rows, heads * HEAD_DIM), brings it; rows past the
+    sequence come as they lie in the page, and the caller masks them. Otherwise each row is
+    gathered through the page table, rows not ``valid`` (None: all are) read as zeros."""
+    if TMA:
+        page = tl.load(pt_row + k_first // PAGE_SIZE)
+        return desc.load([page * PAGE_SIZE + k_first % PAGE_SIZE, kv_column])
+    else:
+        dims = tl.arange(0, HEAD_DIM)
+        page, slot = _kv_slots(pt_row, k_first + tl.arange(0, BLOCK_N), PAGE_SIZE, valid)
+        rows = page * stride_p + slot * stride_s + kv_head * stride_h
+        if valid is None:
+            tile = tl.load(cache + rows[:, None] + dims[None, :])
+        else:
+            tile = tl.load(cache + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        return tile
 
 
 @triton.jit
@@ -455,30 +508,30 @@ def _query_tile(qblock_seq, qblock_pos, cu_seqlens_q, seqlens_k, qb, sub, BLOCK:
 
 @triton.jit
 def _attend_kept(
-    q_tile, k_cache, v_cache, pt_row, indices, index_row, t_start, t_end, kv_head, row_max, row_sum, acc, qk_scale,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    q_tile, k_cache, v_cache, k_desc, v_desc, pt_row, indices, index_row, t_start, t_end, kv_head, kv_column,
+    row_max, row_sum, acc, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key tiles ``t_start .. t_end`` of the kept blocks below the diagonal
     (``indices`` row ``index_row``; every block when DENSE), which need no causal mask."""
     SUB_N: tl.constexpr = BLOCK // BLOCK_N
-    dims = tl.arange(0, HEAD_DIM)
-    cols = tl.arange(0, BLOCK_N)
     for t in range(t_start, t_end):
         if DENSE:
             k_first = t * BLOCK_N
         else:
             block = tl.load(indices + index_row + t // SUB_N)
             k_first = block * BLOCK + (t % SUB_N) * BLOCK_N
-        page, slot = _kv_slots(pt_row, k_first + cols, PAGE_SIZE, None)
-        keys = tl.load(k_cache + (page * stride_kp + slot * stride_ks + kv_head * stride_kh)[:, None] + dims[None, :])
+        keys = _kv_tile(k_cache, k_desc, pt_row, k_first, kv_head, kv_column, stride_kp, stride_ks, stride_kh, None,
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, TMA)  # fmt: skip
         scores = _dot(q_tile, tl.trans(keys))  # unscaled: the scale folds into the exponent's FMA below
         new_max = tl.maximum(row_max, tl.max(scores, axis=1) * qk_scale)
         probs = tl.exp2(scores * qk_scale - new_max[:, None])
         rescale = tl.exp2(row_max - new_max)
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
         acc = acc * rescale[:, None]
-        values = tl.load(v_cache + (page * stride_vp + slot * stride_vs + kv_head * stride_vh)[:, None] + dims[None, :])
+        values = _kv_tile(v_cache, v_desc, pt_row, k_first, kv_head, kv_column, stride_vp, stride_vs, stride_vh, None,
+                          HEAD_DIM, PAGE_SIZE, BLOCK_N, TMA)  # fmt: skip
         acc += _dot(probs.to(values.dtype), values)
         row_max = new_max
     return row_max, row_sum, acc
@@ -499,29 +552,23 @@ def _online_softmax_step(logits, values, row_max, row_sum, acc):
 
 @triton.jit
 def _attend_diagonal(
-    q_tile, q_pos, pos, last_row, k_len, k_cache, v_cache, pt_row, kv_head, row_max, row_sum, acc, qk_scale,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_tile, q_pos, pos, last_row, k_len, k_cache, v_cache, k_desc, v_desc, pt_row, kv_head, kv_column,
+    row_max, row_sum, acc, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over the diagonal block up to ``last_row``, masked causally."""
-    dims = tl.arange(0, HEAD_DIM)
     cols = tl.arange(0, BLOCK_N)
     for k_first in range(pos * BLOCK, last_row + 1, BLOCK_N):
         k_pos = k_first + cols
         k_valid = k_pos < k_len
-        page, slot = _kv_slots(pt_row, k_pos, PAGE_SIZE, k_valid)
-        keys = tl.load(
-            k_cache + (page * stride_kp + slot * stride_ks + kv_head * stride_kh)[:, None] + dims[None, :],
-            mask=k_valid[:, None],
-            other=0.0,
-        )
+        keys = _kv_tile(k_cache, k_desc, pt_row, k_first, kv_head, kv_column, stride_kp, stride_ks, stride_kh, k_valid,
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, TMA)  # fmt: skip
         logits = _dot(q_tile, tl.trans(keys)) * qk_scale
         logits = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :], logits, float("-inf"))
-        values = tl.load(
-            v_cache + (page * stride_vp + slot * stride_vs + kv_head * stride_vh)[:, None] + dims[None, :],
-            mask=k_valid[:, None],
-            other=0.0,
-        )
+        values = _kv_tile(v_cache, v_desc, pt_row, k_first, kv_head, kv_column, stride_vp, stride_vs, stride_vh, k_valid,
+                          HEAD_DIM, PAGE_SIZE, BLOCK_N, TMA)  # fmt: skip
+        if TMA:  # rows past the sequence hold whatever the page holds: keep them out of 0 * value
+            values = tl.where(k_valid[:, None], values, 0.0)
         row_max, row_sum, acc = _online_softmax_step(logits, values, row_max, row_sum, acc)
     return row_max, row_sum, acc
 
@@ -534,7 +581,7 @@ def _size_class(programs: int) -> int:
 
 @triton.autotune(
     configs=_attention_configs(),
-    key=["HEAD_DIM", "BLOCK", "DENSE", "GROUP", "size_class"],
+    key=["HEAD_DIM", "BLOCK", "PAGE_SIZE", "DENSE", "GROUP", "TMA", "size_class"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )
 @triton.jit
@@ -542,6 +589,8 @@ def _attention_kernel(
     q,
     k_cache,
     v_cache,
+    k_desc,
+    v_desc,
     page_table,
     cu_seqlens_q,
     seqlens_k,
@@ -574,6 +623,7 @@ def _attention_kernel(
     stride_pj,
     stride_ph,
     total_q_blocks,
+    kv_head_base,
     qk_scale,
     size_class,  # autotuning key only (_size_class)
     GROUP: tl.constexpr,
@@ -583,21 +633,25 @@ def _attention_kernel(
     DENSE: tl.constexpr,
     MEAN_CORRECTION: tl.constexpr,
     SPLIT: tl.constexpr,
+    TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """One tile of BLOCK_M queries of one query head: online-softmax attention over the kept key
     blocks (all causal blocks when DENSE), the diagonal block masked causally, then optionally the
     pruned fully visible blocks through their mean key and value. Writes out and natural-log lse.
-    With SPLIT, query blocks flagged in ``split_rows`` are left to the split-KV kernels."""
+    With SPLIT, query blocks flagged in ``split_rows`` are left to the split-KV kernels. The launch
+    covers the query heads of KV heads ``kv_head_base ..``; with TMA, K and V come through
+    ``k_desc``/``v_desc``, whose columns start at KV head ``kv_head_base``."""
     SUB_M: tl.constexpr = BLOCK // BLOCK_M
     SUB_N: tl.constexpr = BLOCK // BLOCK_N
     # Query heads vary fastest across programs, so the heads of a KV group, which keep the same
     # blocks, run side by side and share K/V tiles in L2; the heaviest (latest) query blocks start first.
-    num_heads = tl.num_programs(0) // (total_q_blocks * SUB_M)
-    head = tl.program_id(0) % num_heads
-    tile = tl.program_id(0) // num_heads
+    launch_heads = tl.num_programs(0) // (total_q_blocks * SUB_M)
+    head = kv_head_base * GROUP + tl.program_id(0) % launch_heads
+    tile = tl.program_id(0) // launch_heads
     kv_head = head // GROUP
+    kv_column = (kv_head - kv_head_base) * HEAD_DIM
     qb = total_q_blocks - 1 - tile // SUB_M
     sub = tile % SUB_M
     seq, pos, k_len, prefix, q_pos, q_valid, q_rows, last_row = _query_tile(
@@ -621,12 +675,14 @@ def _attention_kernel(
         else:
             n_tiles = (tl.load(counts + qb * stride_cr + kv_head) - 1) * SUB_N
         row_max, row_sum, acc = _attend_kept(
-            q_tile, k_cache, v_cache, pt_row, indices, index_row, 0, n_tiles, kv_head, row_max, row_sum, acc, qk_scale,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, HEAD_DIM, BLOCK, PAGE_SIZE, DENSE, BLOCK_N,
+            q_tile, k_cache, v_cache, k_desc, v_desc, pt_row, indices, index_row, 0, n_tiles, kv_head, kv_column,
+            row_max, row_sum, acc, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            HEAD_DIM, BLOCK, PAGE_SIZE, DENSE, BLOCK_N, TMA,
         )  # fmt: skip
         row_max, row_sum, acc = _attend_diagonal(
-            q_tile, q_pos, pos, last_row, k_len, k_cache, v_cache, pt_row, kv_head, row_max, row_sum, acc, qk_scale,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, HEAD_DIM, BLOCK, PAGE_SIZE, BLOCK_N,
+            q_tile, q_pos, pos, last_row, k_len, k_cache, v_cache, k_desc, v_desc, pt_row, kv_head, kv_column,
+            row_max, row_sum, acc, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            HEAD_DIM, BLOCK, PAGE_SIZE, BLOCK_N, TMA,
         )  # fmt: skip
 
         if MEAN_CORRECTION:
@@ -710,14 +766,15 @@ def _split_attention_kernel(
     first = tl.minimum(split * blocks_per_split, kept)
     last = tl.minimum(first + blocks_per_split, kept)
     row_max, row_sum, acc = _attend_kept(
-        q_tile, k_cache, v_cache, pt_row, indices, index_row, first * SUB_N, last * SUB_N, kv_head, row_max, row_sum,
-        acc, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, HEAD_DIM, BLOCK, PAGE_SIZE,
-        False, BLOCK_N,
+        q_tile, k_cache, v_cache, None, None, pt_row, indices, index_row, first * SUB_N, last * SUB_N, kv_head, 0,
+        row_max, row_sum, acc, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+        HEAD_DIM, BLOCK, PAGE_SIZE, False, BLOCK_N, False,
     )  # fmt: skip
     if split == 0:
         row_max, row_sum, acc = _attend_diagonal(
-            q_tile, q_pos, pos, last_row, k_len, k_cache, v_cache, pt_row, kv_head, row_max, row_sum, acc, qk_scale,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, HEAD_DIM, BLOCK, PAGE_SIZE, BLOCK_N,
+            q_tile, q_pos, pos, last_row, k_len, k_cache, v_cache, None, None, pt_row, kv_head, 0,
+            row_max, row_sum, acc, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            HEAD_DIM, BLOCK, PAGE_SIZE, BLOCK_N, False,
         )  # fmt: skip
     # part_*: (splits, num_long_rows * BLOCK, num_heads[, HEAD_DIM]), contiguous.
     rows = ((split * num_long_rows + r) * BLOCK + sub * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64) * num_heads + head
@@ -777,6 +834,51 @@ def _merge_splits_kernel(
     acc = acc / row_sum[:, None]
     tl.store(out + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :], acc.to(out.dtype.element_ty), mask=q_valid[:, None])
     tl.store(lse + head * stride_lh + q_rows, (row_max + tl.log2(row_sum)) / 1.4426950408889634, mask=q_valid)
+
+
+@triton.jit
+def _stage_kernel(
+    k_cache, v_cache, page_table, seqlens_k, stage_seq, stage_block, k_staged, v_staged,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt, stride_sp, stride_sr, stride_sh,
+    kv_head_base, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Copy key block ``stage_block[p]`` of sequence ``stage_seq[p]`` (K and V of one KV head) into
+    staged page ``p``. Positions past the sequence repeat its last row, so the page holds finite values."""
+    page_out = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(stage_seq + page_out)
+    first = tl.load(stage_block + page_out) * BLOCK
+    last = tl.load(seqlens_k + seq) - 1
+    pt_row = page_table + seq.to(tl.int64) * stride_pt
+    dims = tl.arange(0, HEAD_DIM)
+    kv_head = kv_head_base + head
+    for c in range(0, BLOCK, CHUNK):
+        rows = c + tl.arange(0, CHUNK)
+        page, slot = _kv_slots(pt_row, tl.minimum(first + rows, last), PAGE_SIZE, None)
+        staged = (page_out.to(tl.int64) * stride_sp + rows * stride_sr + head * stride_sh)[:, None] + dims[None, :]
+        keys = tl.load(k_cache + (page * stride_kp + slot * stride_ks + kv_head * stride_kh)[:, None] + dims[None, :])
+        tl.store(k_staged + staged, keys)
+        values = tl.load(v_cache + (page * stride_vp + slot * stride_vs + kv_head * stride_vh)[:, None] + dims[None, :])
+        tl.store(v_staged + staged, values)
+
+
+def stage_kv(k_cache, v_cache, page_table, seqlens_k, layout: BatchLayout, kv_heads: range):
+    """K and V of ``kv_heads`` copied out of the pages into (layout.staging.pages, block, heads,
+    head_dim) tensors, one page per key block, for the bulk tensor copies (TMA) of the attention
+    kernel when the cache's own pages are smaller than a key tile. Costs one read and one write of
+    the step's keys and values, against attention's quadratic work; STAGE_BYTES bounds one copy."""
+    staging, block, head_dim = layout.staging, layout.block_size, k_cache.shape[3]
+    shape = (staging.pages, block, len(kv_heads), head_dim)
+    k_staged = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+    v_staged = torch.empty_like(k_staged)
+    if staging.pages:
+        _stage_kernel[(staging.pages, len(kv_heads))](
+            k_cache, v_cache, page_table, seqlens_k, staging.seq, staging.block, k_staged, v_staged,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+            v_cache.stride(2), page_table.stride(0), k_staged.stride(0), k_staged.stride(1), k_staged.stride(2),
+            kv_heads.start, PAGE_SIZE=k_cache.shape[1], BLOCK=block, HEAD_DIM=head_dim, CHUNK=min(block, 32),
+        )  # fmt: skip
+    return k_staged, v_staged
 
 
 def pool_blocks(cache: torch.Tensor, page_table: torch.Tensor, seqlens_k: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
@@ -889,9 +991,13 @@ def block_sparse_attention(
     out: torch.Tensor | None,
     tile: triton.Config | None = None,
     split_kv: bool = True,
+    kv_reads: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the kept blocks of ``index`` (every causal block when it is None).
 
+    ``kv_reads``: "tma" brings K/V tiles with bulk tensor copies (Hopper and later), from the cache
+    itself when its pages hold whole key tiles, else from a staged copy (stage_kv); "pointer"
+    gathers every row through the page table; "auto" takes TMA where the GPU has it (see kv_read_mode).
     ``tile`` runs one tile shape instead of the autotuned choice and ``split_kv=False`` leaves long
     dense rows to one program each: both for benchmarks that compare variants."""
     total_q, num_heads, head_dim = q.shape
@@ -917,22 +1023,77 @@ def block_sparse_attention(
     if tile is not None:
         kernel = _attention_kernel.fn
         tile_args = dict(tile.kwargs, num_warps=tile.num_warps, num_stages=tile.num_stages)
-    grid = lambda meta: (layout.total_q_blocks * (layout.block_size // meta["BLOCK_M"]) * num_heads,)  # noqa: E731
-    kernel[grid](
-        q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout.qblock_seq, layout.qblock_pos,
-        counts, indices, keep_mask, pooled_k, pooled_v, split_flags, out, lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0),
-        indices.stride(0), indices.stride(1), counts.stride(0),
-        pooled_k.stride(0), pooled_k.stride(1), pooled_k.stride(2),
-        layout.total_q_blocks, scale * LOG2E, _size_class(layout.total_q_blocks * num_heads),
-        GROUP=num_heads // num_kv, HEAD_DIM=head_dim, BLOCK=layout.block_size, PAGE_SIZE=k_cache.shape[1],
-        DENSE=dense, MEAN_CORRECTION=mean_correction and not dense, SPLIT=long_rows is not None, **tile_args,
-    )
+    group = num_heads // num_kv
+
+    def launch(keys, values, table, descriptors, kv_heads: range) -> None:
+        if tile is not None and descriptors[0] is not None:
+            _set_descriptor_blocks(dict(zip(("k_desc", "v_desc"), descriptors), HEAD_DIM=head_dim, **tile.kwargs))
+        programs = layout.total_q_blocks * len(kv_heads) * group
+        grid = lambda meta: (programs * (layout.block_size // meta["BLOCK_M"]),)  # noqa: E731
+        kernel[grid](
+            q, keys, values, *descriptors, table, cu_seqlens_q, seqlens_k, layout.qblock_seq, layout.qblock_pos,
+            counts, indices, keep_mask, pooled_k, pooled_v, split_flags, out, lse,
+            q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+            values.stride(0), values.stride(1), values.stride(2), table.stride(0),
+            out.stride(0), out.stride(1), lse.stride(0),
+            indices.stride(0), indices.stride(1), counts.stride(0),
+            pooled_k.stride(0), pooled_k.stride(1), pooled_k.stride(2),
+            layout.total_q_blocks, kv_heads.start, scale * LOG2E, _size_class(programs),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK=layout.block_size, PAGE_SIZE=keys.shape[1],
+            DENSE=dense, MEAN_CORRECTION=mean_correction and not dense, SPLIT=long_rows is not None,
+            TMA=descriptors[0] is not None, **tile_args,
+        )  # fmt: skip
+
+    sparse_context = 0 if dense else max(layout.k_lens)
+    mode = kv_read_mode(q, k_cache, v_cache, sparse_context) if kv_reads == "auto" else kv_reads
+    if mode == "pointer":
+        launch(k_cache, v_cache, page_table, (None, None), range(num_kv))
+    elif _pages_hold_tiles(k_cache) and _pages_hold_tiles(v_cache):
+        launch(k_cache, v_cache, page_table, (_descriptor(k_cache), _descriptor(v_cache)), range(num_kv))
+    else:
+        per_head = layout.staging.pages * layout.block_size * head_dim * k_cache.element_size() * 2
+        heads_per_copy = max(1, min(num_kv, STAGE_BYTES // max(per_head, 1)))
+        for first in range(0, num_kv, heads_per_copy):
+            kv_heads = range(first, min(first + heads_per_copy, num_kv))
+            keys, values = stage_kv(k_cache, v_cache, page_table, seqlens_k, layout, kv_heads)
+            launch(keys, values, layout.staging.table, (_descriptor(keys), _descriptor(values)), kv_heads)
     if long_rows is not None:
         _split_long_rows(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout, index, long_rows, scale, out, lse)
     return out, lse
+
+
+def kv_read_mode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sparse_context: int = 0) -> str:
+    """"tma" for 16-bit caches at a head size in TMA_HEAD_DIMS on CUDA GPUs with bulk tensor copies
+    (compute capability 9.0 and later), in dense mode or for a sparse launch whose longest sequence
+    (``sparse_context``; 0 in dense mode) has TMA_SPARSE_MIN_KEYS keys; else "pointer".
+    PREFILL_ACCEL_KV_READS=pointer (or tma) decides instead."""
+    if KV_READS in ("pointer", "tma"):
+        return KV_READS
+    capable = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+    sixteen_bit = k_cache.dtype in (torch.float16, torch.bfloat16) and v_cache.dtype == k_cache.dtype
+    long_enough = sparse_context == 0 or sparse_context >= TMA_SPARSE_MIN_KEYS
+    return "tma" if capable and sixteen_bit and q.shape[2] in TMA_HEAD_DIMS and long_enough else "pointer"
+
+
+def _pages_hold_tiles(cache: torch.Tensor) -> bool:
+    """Whether TMA can read key tiles straight from the cache: pages of a multiple of 64 rows (the
+    narrowest TMA tile at head_dim <= 128), one page after another, heads side by side in a row."""
+    pages, page_size, heads, head_dim = cache.shape
+    return (
+        page_size % 64 == 0
+        and cache.stride(3) == 1
+        and cache.stride(2) == head_dim
+        and cache.stride(0) == page_size * cache.stride(1)
+        and cache.stride(1) * cache.element_size() % 16 == 0
+        and cache.data_ptr() % 16 == 0
+    )
+
+
+def _descriptor(cache: torch.Tensor) -> TensorDescriptor:
+    """A TMA descriptor over a (pages, page_size, heads, head_dim) cache seen as (rows, heads * head_dim);
+    the kernel (or its autotuning pre-hook) sets the block shape."""
+    pages, page_size, heads, head_dim = cache.shape
+    return TensorDescriptor(cache, [pages * page_size, heads * head_dim], [cache.stride(1), 1], [64, head_dim])
 
 
 def _long_rows_to_split(layout: BatchLayout, num_heads: int, device: torch.device) -> torch.Tensor | None:
