@@ -178,7 +178,7 @@ def check_correctness(dtypes, head_dims, page_sizes, log=lambda line: None) -> l
         seqlens = torch.tensor(k_lens, dtype=torch.int32, device="cuda")
         args = (q, k_cache, v_cache, table, cu, seqlens)
         ref_out, ref_lse = reference.dense_paged_attention(*args)
-        cases = ((0.0, 0, "pooled"), (0.05, 0, "pooled"), (0.05, 0, "exact"), (0.05, 1 << 20, "pooled"))
+        cases = ((0.0, 0, "pooled"), (0.05, 0, "pooled"), (0.05, 0, "bound"), (0.05, 0, "exact"), (0.05, 1 << 20, "pooled"))
         for threshold, min_q_len, estimator in cases:
             config = SparsePrefillConfig(threshold=threshold, min_q_len=min_q_len, estimator=estimator)
             if min_q_len:  # an all-dense batch of fresh prefills: the cuDNN route

@@ -8,7 +8,8 @@ true attention mass on average. Printed per estimator: the density kept there, a
 oracle, both at the achieved recall row by row (as the harness reports) and at `--recall` in every row.
 
 Estimators: the kernels' pooled keys (every `--query-stride`-th query row against each block's mean key,
-as `select_blocks` does), and exact scores of a few query rows per block against every key (`exact-N`:
+as `select_blocks` does), their key bounds (the same rows against the upper bound of their logits over
+each block's keys, from the elementwise largest and smallest key), and exact scores of a few query rows per block against every key (`exact-N`:
 N evenly spaced rows, the block's last row among them).
 
   python scripts/compare_estimators.py CAPTURES/smollm2_L8192_layer*.pt
@@ -53,6 +54,25 @@ def pooled_estimate(q, k, block: int, scale: float, stride: int, pool: int | Non
         logits = torch.einsum("rhgd,jhd->hgrj", qs, mean_k[:visible]) * scale + count[:visible].log()
         shares = torch.softmax(logits, -1).mean((1, 2))  # (Hkv, sub-blocks); empty sub-blocks get 0
         est[pos, :, : pos + 1] = shares.view(num_kv, pos + 1, per_block).sum(-1)
+    return est
+
+
+def bound_estimate(q, k, block: int, scale: float, stride: int) -> torch.Tensor:
+    """(nb, Hkv, nb): as pooled_estimate with q . mean key replaced by the upper bound of the row's
+    logits over the block's keys, q+ . max key + q- . min key (the kernels' ``estimator="bound"``)."""
+    length, heads, dim = q.shape
+    num_kv = k.shape[1]
+    nb = -(-length // block)
+    padded = torch.nn.functional.pad(k.float(), (0, 0, 0, 0, 0, nb * block - length), value=float("nan")).view(nb, block, num_kv, dim)
+    max_k, min_k = padded.nan_to_num(float("-inf")).amax(1), padded.nan_to_num(float("inf")).amin(1)
+    count = torch.clamp(length - torch.arange(nb) * block, max=block).float()
+    est = torch.zeros(nb, num_kv, nb)
+    for pos in range(nb):
+        rows = sampled_rows(block, pos, length, stride)
+        qs = q[rows].float().view(len(rows), num_kv, heads // num_kv, dim)
+        positive = qs.clamp(min=0)
+        logits = torch.einsum("rhgd,jhd->hgrj", positive, max_k[: pos + 1]) + torch.einsum("rhgd,jhd->hgrj", qs - positive, min_k[: pos + 1])
+        est[pos, :, : pos + 1] = torch.softmax(logits * scale + count[: pos + 1].log(), -1).mean((1, 2))
     return est
 
 
@@ -113,7 +133,10 @@ def main() -> int:
         q, k = data["q"], data["k"]
         scale = data.get("scale") or q.shape[-1] ** -0.5
         mass = block_attention_mass(q, k, args.block_size, scale)
-        estimates = {f"pooled keys, stride {args.query_stride}": pooled_estimate(q, k, args.block_size, scale, args.query_stride)}
+        estimates = {
+            f"pooled keys, stride {args.query_stride}": pooled_estimate(q, k, args.block_size, scale, args.query_stride),
+            f"key bounds, stride {args.query_stride}": bound_estimate(q, k, args.block_size, scale, args.query_stride),
+        }
         for pair in filter(None, args.pooled.split(",")):
             stride, pool = (int(x) for x in pair.split(":"))
             estimates[f"pooled {pool}-key means, stride {stride}"] = pooled_estimate(q, k, args.block_size, scale, stride, pool)

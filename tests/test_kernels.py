@@ -196,12 +196,13 @@ def test_kv_read_mode_and_direct_tma_pages(monkeypatch):
     assert not triton_kernels._pages_hold_tiles(heads_apart), "a row of the cache must hold every head side by side"
 
 
-def test_selection_matches_reference_search():
-    batch = make_batch(**MIXED, num_heads=8, num_kv_heads=2, dtype=torch.float16, device=DEVICE)
+@pytest.mark.parametrize("estimator, head_dim", [("pooled", 64), ("bound", 64), ("mixed", 64), ("mixed", 256)])
+def test_selection_matches_reference_search(estimator, head_dim):
+    batch = make_batch(**MIXED, num_heads=8, num_kv_heads=2, head_dim=head_dim, dtype=torch.float16, device=DEVICE)
     configs = (
-        sparse_config(),
-        sparse_config(threshold=0.05, query_stride=4, sink_blocks=1, local_blocks=1),
-        sparse_config(threshold=1.0, target_mass=0.8),
+        sparse_config(estimator=estimator),
+        sparse_config(estimator=estimator, threshold=0.05, query_stride=4, sink_blocks=1, local_blocks=1),
+        sparse_config(estimator=estimator, threshold=1.0, target_mass=0.8),
     )
     for config in configs:
         got = select_blocks(*batch.search_args, config=config)
@@ -217,13 +218,36 @@ def test_selection_matches_reference_search():
         assert torch.equal(got.counts, got_mask.sum(-1).int())
 
 
-@pytest.mark.parametrize("estimator", ["pooled", "exact"])
+@pytest.mark.parametrize("estimator", ["pooled", "bound", "mixed", "exact"])
 def test_scores_are_shares_of_attention(estimator):
     batch = make_batch(**MIXED, device=DEVICE)
     index = select_blocks(*batch.search_args, config=sparse_config(estimator=estimator))
     searched = index.layout.qblock_dense == 0
     sums = index.scores.sum(-1)[searched.to(index.scores.device)]
     torch.testing.assert_close(sums, torch.ones_like(sums), atol=1e-3, rtol=0)
+
+
+def test_bound_estimate_finds_a_single_outstanding_key():
+    """In noise keys, one key of a block points along the queries (logit 15) and every key of a
+    later block a little (logit 2 each): the single key holds most of the attention. The mean keys
+    rank the later block first and prune the other; its largest key keeps it in the bound estimate."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    batch = make_batch([512], [512], num_heads=2, num_kv_heads=1, structured=False, device=DEVICE)
+    direction = torch.nn.functional.normalize(torch.randn(64, generator=gen), dim=0)
+    target = int(torch.randint(1, 3, (), generator=gen)) * 64 + int(torch.randint(0, 64, (), generator=gen))
+    keys = torch.randn(512, 64, generator=gen) * 0.3
+    keys[target] += direction * 40  # q . k * scale = 3 * 40 / 8 = 15
+    keys[320:384] += direction * 16 / 3  # block 5: logit 2 each
+    pos = torch.arange(512)
+    k_cache = batch.k_cache.clone()
+    k_cache[batch.page_table[0, pos // 16].long(), pos % 16, 0] = keys.to(k_cache.dtype).to(k_cache.device)
+    q = (direction.expand(512, 2, 64) * 3).to(batch.q.dtype).to(batch.q.device).contiguous()
+    args = (q, k_cache, batch.page_table, batch.cu_seqlens_q, batch.seqlens_k)
+    config = sparse_config(threshold=0.5, sink_blocks=0, local_blocks=0)
+    bound = select_blocks(*args, config=config.replace(estimator="bound")).to_mask()
+    pooled = select_blocks(*args, config=config).to_mask()
+    assert bound[-1, 0, target // 64], "the bound estimate keeps the outstanding key's block"
+    assert not pooled[-1, 0, target // 64] and pooled[-1, 0, 5], "the mean keys rank block 5 first"
 
 
 @pytest.mark.parametrize("rows", [1, 8])

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 SUPPORTED_BLOCK_SIZES = (64, 128, 256)
-ESTIMATORS = ("pooled", "exact")
+ESTIMATORS = ("pooled", "bound", "mixed", "exact")
 EXACT_ROWS = (1, 2, 4, 8)
 
 
@@ -39,11 +39,14 @@ class SparsePrefillConfig:
     min_q_len: int = 16384
     """Sequences whose query length in this step is below this are computed dense."""
     query_stride: int = 4
-    """The pooled estimate scores every ``query_stride``-th query row of a block (1 scores all rows)."""
+    """The pooled, bound and mixed estimates score every ``query_stride``-th query row of a block (1 scores all rows)."""
     estimator: str = "pooled"
     """How the search estimates a key block's share of a query block's attention: ``"pooled"``
-    scores sampled query rows against each key block's mean key; ``"exact"`` takes the exact
-    attention of ``exact_rows`` query rows per block (its last row among them) over every key."""
+    scores sampled query rows against each key block's mean key; ``"bound"`` against the upper
+    bound of their logits over the block's keys, from its elementwise largest and smallest key
+    (``q+ . max_key + q- . min_key``), which a single outstanding key lifts where a mean hides it;
+    ``"mixed"`` averages those two estimates; ``"exact"`` takes the exact attention of ``exact_rows`` query rows per block (its last row
+    among them) over every key."""
     exact_rows: int = 1
     """Query rows per block of the exact estimate (1, 2, 4 or 8, evenly spaced, the last row included)."""
     mean_correction: bool = False

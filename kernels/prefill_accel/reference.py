@@ -99,10 +99,22 @@ def pooled_blocks(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch
     return sums / sizes.view(-1, *([1] * (x.dim() - 1))), sizes
 
 
+def bounding_blocks(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Elementwise largest and smallest row of each block of ``block_size`` rows of x (L, H, D), and
+    each block's length."""
+    length = x.shape[0]
+    n = -(-length // block_size)
+    padded = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, n * block_size - length), value=float("nan"))
+    blocks = padded.view(n, block_size, *x.shape[1:])
+    sizes = torch.full((n,), block_size, dtype=x.dtype, device=x.device)
+    sizes[-1] = length - (n - 1) * block_size
+    return blocks.nan_to_num(float("-inf")).amax(1), blocks.nan_to_num(float("inf")).amin(1), sizes
+
+
 def _scored_rows(layout: BatchLayout, config: SparsePrefillConfig, qb: int) -> tuple[int, int, list[int]]:
     """Sequence, block position and the absolute query positions the search scores for query block qb.
 
-    The pooled estimate scores every ``query_stride``-th row of the block; the exact estimate
+    The pooled, bound and mixed estimates score every ``query_stride``-th row of the block; the exact estimate
     ``exact_rows`` evenly spaced rows ending at the block's last row, a row past the sequence's end
     moved to its last position (once)."""
     seq = int(layout.qblock_seq[qb])
@@ -124,6 +136,14 @@ def _pooled_estimate(q_rows, mean_keys, sizes, scale):
     their lengths), averaged over the rows and the query heads of the group; q_rows (R, Hkv, G, D)."""
     logits = torch.einsum("rhgd,jhd->hrgj", q_rows, mean_keys) * scale + torch.log(sizes)
     return torch.softmax(logits, dim=-1).mean(dim=(1, 2))
+
+
+def _bound_estimate(q_rows, max_keys, min_keys, sizes, scale):
+    """(Hkv, blocks): as _pooled_estimate, with each row's logit for a block the upper bound of its
+    logits over the block's keys, q+ . max_key + q- . min_key (q+ and q- the positive and negative parts)."""
+    positive = q_rows.clamp(min=0)
+    bound = torch.einsum("rhgd,jhd->hrgj", positive, max_keys) + torch.einsum("rhgd,jhd->hrgj", q_rows - positive, min_keys)
+    return torch.softmax(bound * scale + torch.log(sizes), dim=-1).mean(dim=(1, 2))
 
 
 def _exact_estimate(q_rows, keys, rows, block, scale):
@@ -166,7 +186,10 @@ def select_blocks(
     query rows r and the query heads g of the group. With the pooled estimator it averages
     softmax_j(scale * q_rg . mean_key_j + ln n_j), where n_j is the block's length: each row's
     attention over the blocks, with each block summarised by its mean key. With the exact one it
-    averages the row's exact causal attention mass on the keys of block j. A block is kept when
+    averages the row's exact causal attention mass on the keys of block j. The bound estimator is the
+    pooled one with ``q . mean_key_j`` replaced by the upper bound of ``q . k`` over the block's keys,
+    ``q+ . max_key_j + q- . min_key_j`` (elementwise extremes of the keys); the mixed estimator is
+    the mean of the pooled and bound estimates. A block is kept when
     its estimate is >= threshold x the row maximum, or (with target_mass > 0) it is among the
     fewest largest estimates holding target_mass, or it is a sink block, a local block, the
     diagonal block, or the query block is dense.
@@ -197,9 +220,14 @@ def select_blocks(
             estimate = _exact_estimate(q_rows, keys, rows, config.block_size, scale)[:, causal]
         else:
             if seq not in pooled:
-                pooled[seq] = pooled_blocks(keys_of[seq], config.block_size)
-            mean_keys, sizes = pooled[seq]
-            estimate = _pooled_estimate(q_rows, mean_keys[causal], sizes[causal], scale)  # (Hkv, pos + 1)
+                pooled[seq] = pooled_blocks(keys_of[seq], config.block_size), bounding_blocks(keys_of[seq], config.block_size)
+            (mean_keys, sizes), (max_keys, min_keys, _) = pooled[seq]
+            estimates = []  # each (Hkv, pos + 1)
+            if config.estimator in ("pooled", "mixed"):
+                estimates.append(_pooled_estimate(q_rows, mean_keys[causal], sizes[causal], scale))
+            if config.estimator in ("bound", "mixed"):
+                estimates.append(_bound_estimate(q_rows, max_keys[causal], min_keys[causal], sizes[causal], scale))
+            estimate = sum(estimates) / len(estimates)
         scores[qb, :, causal] = estimate.float()
         cut = config.threshold * estimate.amax(dim=-1, keepdim=True)
         if config.target_mass > 0:

@@ -141,6 +141,7 @@ def _pool_blocks_kernel(
     page_table,
     seqlens_k,
     pooled,
+    pooled_min,
     stride_cp,
     stride_cs,
     stride_ch,
@@ -152,8 +153,10 @@ def _pool_blocks_kernel(
     BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     CHUNK: tl.constexpr,
+    EXTREMES: tl.constexpr,
 ):
-    """pooled[b, j, h] = mean of the cache rows of key block j of sequence b, head h (float32)."""
+    """pooled[b, j, h] = mean of the cache rows of key block j of sequence b, head h (float32); with
+    EXTREMES their elementwise maximum instead, and their minimum in pooled_min."""
     j = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -162,64 +165,111 @@ def _pool_blocks_kernel(
     if start < k_len:
         dims = tl.arange(0, HEAD_DIM)
         total = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        high = tl.full([HEAD_DIM], float("-inf"), dtype=tl.float32)
+        low = tl.full([HEAD_DIM], float("inf"), dtype=tl.float32)
         for c in range(0, BLOCK, CHUNK):
             pos = start + c + tl.arange(0, CHUNK)
             valid = pos < k_len
             page, slot = _kv_slots(page_table + b * stride_pt, pos, PAGE_SIZE, valid)
             rows = page * stride_cp + slot * stride_cs + h * stride_ch
-            x = tl.load(cache + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-            total += tl.sum(x.to(tl.float32), axis=0)
-        count = tl.minimum(k_len - start, BLOCK)
-        tl.store(pooled + b * stride_pb + j * stride_pj + h * stride_ph + dims, total / count)
+            x = tl.load(cache + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            if EXTREMES:
+                high = tl.maximum(high, tl.max(tl.where(valid[:, None], x, float("-inf")), axis=0))
+                low = tl.minimum(low, tl.min(tl.where(valid[:, None], x, float("inf")), axis=0))
+            else:
+                total += tl.sum(x, axis=0)
+        out = b * stride_pb + j * stride_pj + h * stride_ph + dims
+        if EXTREMES:
+            tl.store(pooled + out, high)
+            tl.store(pooled_min + out, low)
+        else:
+            tl.store(pooled + out, total / tl.minimum(k_len - start, BLOCK))
 
 
 @triton.jit
-def _pooled_logits(q_chunk, pooled_seq, j, n_causal, k_len, qk_scale, stride_pj, dims, BLOCK: tl.constexpr):
-    """Scaled (log2) logits of the rows in ``q_chunk`` against the mean keys of key blocks ``j``, plus
-    the log of each block's length; -inf past the causal blocks."""
-    keys = tl.load(pooled_seq + j[:, None] * stride_pj + dims[None, :], mask=j[:, None] < n_causal, other=0.0)
+def _pooled_logits(q_chunk, pooled_seq, pooled_min_seq, j, n_causal, k_len, qk_scale, stride_pj, dims,
+                   BLOCK: tl.constexpr, BOUND: tl.constexpr):  # fmt: skip
+    """Scaled (log2) logits of the rows in ``q_chunk`` against the mean keys of key blocks ``j`` (with
+    BOUND, the upper bound q+ . max_key + q- . min_key of their logits), plus the log of each block's
+    length; -inf past the causal blocks."""
+    causal = j[:, None] < n_causal
+    keys = tl.load(pooled_seq + j[:, None] * stride_pj + dims[None, :], mask=causal, other=0.0).to(q_chunk.dtype)
+    if BOUND:
+        positive = tl.maximum(q_chunk, 0.0).to(q_chunk.dtype)
+        low = tl.load(pooled_min_seq + j[:, None] * stride_pj + dims[None, :], mask=causal, other=0.0).to(q_chunk.dtype)
+        dots = _dot(positive, tl.trans(keys)) + _dot((q_chunk - positive).to(q_chunk.dtype), tl.trans(low))
+    else:
+        dots = _dot(q_chunk, tl.trans(keys))
     block_len = tl.maximum(tl.minimum(k_len - j * BLOCK, BLOCK), 1).to(tl.float32)
-    logits = _dot(q_chunk, tl.trans(keys.to(q_chunk.dtype))) * qk_scale + tl.log2(block_len)[None, :]
+    logits = dots * qk_scale + tl.log2(block_len)[None, :]
     return tl.where(j[None, :] < n_causal, logits, float("-inf"))
 
 
 @triton.jit
-def _pooled_scores(q, pooled, scores, row_stats, qb, h, seq, pos, k_len, q_start, prefix, n_causal, out_row,
-                   stride_qt, stride_qh, stride_pb, stride_pj, stride_ph, qk_scale,
+def _softmax_stats(logits, row_max, row_sum):
+    """Fold a tile of base-2 logits into each row's running softmax maximum and normaliser."""
+    new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+    return new_max, row_sum * tl.exp2(row_max - new_max) + tl.sum(tl.exp2(logits - new_max[:, None]), axis=1)
+
+
+@triton.jit
+def _pooled_scores(q, means, maxima, minima, scores, row_stats, qb, h, seq, pos, k_len, q_start, prefix, n_causal,
+                   out_row, stride_qt, stride_qh, stride_pb, stride_pj, stride_ph, qk_scale,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, STRIDE: tl.constexpr,
-                   ROWS: tl.constexpr, ROW_CHUNK: tl.constexpr, BLOCK_J: tl.constexpr):  # fmt: skip
-    """The pooled estimate of one query block and KV head, summed (not yet averaged) over the scored
-    rows of every query head of the group into ``scores``: two passes over the pooled keys, the first
-    for each row's softmax maximum and normaliser (kept in ``row_stats``), the second for the shares."""
+                   ROWS: tl.constexpr, ROW_CHUNK: tl.constexpr, BLOCK_J: tl.constexpr, MEANS: tl.constexpr,
+                   BOUNDS: tl.constexpr):  # fmt: skip
+    """The pooled estimate (MEANS), the bound estimate (BOUNDS) or the sum of both, of one query block
+    and KV head, summed (not yet averaged) over the scored rows of every query head of the group into
+    ``scores``: two passes over the pooled keys, the first for each row's softmax maximum and
+    normaliser (kept in ``row_stats``), the second for the shares."""
     cols = tl.arange(0, BLOCK_J)
     dims = tl.arange(0, HEAD_DIM)
-    pooled_seq = pooled + seq.to(tl.int64) * stride_pb + h * stride_ph
-    stats = row_stats + (qb * tl.num_programs(1) + h).to(tl.int64) * (2 * ROW_CHUNK)
+    rows = tl.arange(0, ROW_CHUNK)
+    seq_offset = seq.to(tl.int64) * stride_pb + h * stride_ph
+    means_seq, maxima_seq, minima_seq = means + seq_offset, maxima + seq_offset, minima + seq_offset
+    stats = row_stats + (qb * tl.num_programs(1) + h).to(tl.int64) * (4 * ROW_CHUNK)
     # The scored rows of all query heads of the group, flattened (head-major) and taken
     # ROW_CHUNK at a time, so one pooled-key tile serves every head of the group.
     for c in range(0, GROUP * ROWS, ROW_CHUNK):
-        flat = c + tl.arange(0, ROW_CHUNK)
+        flat = c + rows
         chunk_pos = pos * BLOCK + (flat % ROWS) * STRIDE + (STRIDE - 1)
         chunk_valid = (flat < GROUP * ROWS) & (chunk_pos >= prefix) & (chunk_pos < k_len)
         q_offsets = (q_start + chunk_pos - prefix).to(tl.int64) * stride_qt + (h * GROUP + flat // ROWS) * stride_qh
         q_chunk = tl.load(q + q_offsets[:, None] + dims[None, :], mask=chunk_valid[:, None], other=0.0)
-        row_max = tl.full([ROW_CHUNK], float("-inf"), dtype=tl.float32)
-        row_sum = tl.zeros([ROW_CHUNK], dtype=tl.float32)
+        mean_max = tl.full([ROW_CHUNK], float("-inf"), dtype=tl.float32)
+        mean_sum = tl.zeros([ROW_CHUNK], dtype=tl.float32)
+        bound_max = tl.full([ROW_CHUNK], float("-inf"), dtype=tl.float32)
+        bound_sum = tl.zeros([ROW_CHUNK], dtype=tl.float32)
         for j0 in range(0, n_causal, BLOCK_J):
             j = j0 + cols
-            logits = _pooled_logits(q_chunk, pooled_seq, j, n_causal, k_len, qk_scale, stride_pj, dims, BLOCK)
-            new_max = tl.maximum(row_max, tl.max(logits, axis=1))
-            row_sum = row_sum * tl.exp2(row_max - new_max) + tl.sum(tl.exp2(logits - new_max[:, None]), axis=1)
-            row_max = new_max
-        tl.store(stats + tl.arange(0, ROW_CHUNK), row_max)
-        tl.store(stats + ROW_CHUNK + tl.arange(0, ROW_CHUNK), tl.where(chunk_valid, 1.0 / row_sum, 0.0))
+            if MEANS:
+                logits = _pooled_logits(q_chunk, means_seq, means_seq, j, n_causal, k_len, qk_scale, stride_pj, dims,
+                                        BLOCK, False)  # fmt: skip
+                mean_max, mean_sum = _softmax_stats(logits, mean_max, mean_sum)
+            if BOUNDS:
+                logits = _pooled_logits(q_chunk, maxima_seq, minima_seq, j, n_causal, k_len, qk_scale, stride_pj, dims,
+                                        BLOCK, True)  # fmt: skip
+                bound_max, bound_sum = _softmax_stats(logits, bound_max, bound_sum)
+        if MEANS:
+            tl.store(stats + rows, mean_max)
+            tl.store(stats + ROW_CHUNK + rows, tl.where(chunk_valid, 1.0 / mean_sum, 0.0))
+        if BOUNDS:
+            tl.store(stats + 2 * ROW_CHUNK + rows, bound_max)
+            tl.store(stats + 3 * ROW_CHUNK + rows, tl.where(chunk_valid, 1.0 / bound_sum, 0.0))
         tl.debug_barrier()
-        row_max = tl.load(stats + tl.arange(0, ROW_CHUNK))
-        inv_sum = tl.load(stats + ROW_CHUNK + tl.arange(0, ROW_CHUNK))
+        mean_max, mean_inv = tl.load(stats + rows), tl.load(stats + ROW_CHUNK + rows)
+        bound_max, bound_inv = tl.load(stats + 2 * ROW_CHUNK + rows), tl.load(stats + 3 * ROW_CHUNK + rows)
         for j0 in range(0, n_causal, BLOCK_J):
             j = j0 + cols
-            logits = _pooled_logits(q_chunk, pooled_seq, j, n_causal, k_len, qk_scale, stride_pj, dims, BLOCK)
-            mass = tl.sum(tl.exp2(logits - row_max[:, None]) * inv_sum[:, None], axis=0)
+            mass = tl.zeros([BLOCK_J], dtype=tl.float32)
+            if MEANS:
+                logits = _pooled_logits(q_chunk, means_seq, means_seq, j, n_causal, k_len, qk_scale, stride_pj, dims,
+                                        BLOCK, False)  # fmt: skip
+                mass += tl.sum(tl.exp2(logits - mean_max[:, None]) * mean_inv[:, None], axis=0)
+            if BOUNDS:
+                logits = _pooled_logits(q_chunk, maxima_seq, minima_seq, j, n_causal, k_len, qk_scale, stride_pj, dims,
+                                        BLOCK, True)  # fmt: skip
+                mass += tl.sum(tl.exp2(logits - bound_max[:, None]) * bound_inv[:, None], axis=0)
             previous = tl.load(scores + out_row + j, mask=j < n_causal, other=0.0)
             tl.store(scores + out_row + j, previous + mass, mask=j < n_causal)
         tl.debug_barrier()
@@ -228,7 +278,9 @@ def _pooled_scores(q, pooled, scores, row_stats, qb, h, seq, pos, k_len, q_start
 @triton.jit
 def _select_kernel(
     q,
-    pooled,
+    means,
+    maxima,
+    minima,
     cu_seqlens_q,
     seqlens_k,
     qblock_seq,
@@ -258,6 +310,8 @@ def _select_kernel(
     ROW_CHUNK: tl.constexpr,
     BLOCK_J: tl.constexpr,
     PRESCORED: tl.constexpr,
+    MEANS: tl.constexpr,
+    BOUNDS: tl.constexpr,
     MASS_BISECTION_STEPS: tl.constexpr = 24,  # resolves the cut to max / 2**24, below fp32 rounding of a share
 ):
     """One query block, one KV head: estimate each causal key block's share of attention, keep the
@@ -267,9 +321,11 @@ def _select_kernel(
     finds the mass cut, a pass compacts.
 
     The pooled estimate for block j averages, over the scored query rows of the block and the query
-    heads of the group, softmax_j(scale * q . mean_key_j + ln n_j). ``row_stats`` is scratch holding
-    each row's softmax maximum and normaliser between the two passes over the pooled keys. With
-    PRESCORED the shares are already in ``scores`` (the exact estimate) and only the cut runs.
+    heads of the group, softmax_j(scale * q . mean_key_j + ln n_j) (MEANS); the bound estimate has
+    q+ . max_key_j + q- . min_key_j (``maxima``, ``minima``) for q . mean_key_j (BOUNDS); with both,
+    the estimate is their mean. ``row_stats`` is scratch holding each row's softmax maxima and
+    normalisers between the two passes over the pooled keys. With PRESCORED the shares are already in
+    ``scores`` (the exact estimate) and only the cut runs.
     """
     qb = tl.program_id(0)
     h = tl.program_id(1)
@@ -296,10 +352,12 @@ def _select_kernel(
     else:
         norm = 1.0
         if not PRESCORED:
-            _pooled_scores(q, pooled, scores, row_stats, qb, h, seq, pos, k_len, q_start, prefix, n_causal, out_row,
-                           stride_qt, stride_qh, stride_pb, stride_pj, stride_ph, qk_scale,
-                           GROUP, HEAD_DIM, BLOCK, STRIDE, ROWS, ROW_CHUNK, BLOCK_J)  # fmt: skip
+            _pooled_scores(q, means, maxima, minima, scores, row_stats, qb, h, seq, pos, k_len, q_start, prefix,
+                           n_causal, out_row, stride_qt, stride_qh, stride_pb, stride_pj, stride_ph, qk_scale,
+                           GROUP, HEAD_DIM, BLOCK, STRIDE, ROWS, ROW_CHUNK, BLOCK_J, MEANS, BOUNDS)  # fmt: skip
             norm = 1.0 / (n_rows * GROUP).to(tl.float32)
+            if MEANS and BOUNDS:  # the mean of the two estimates
+                norm = norm * 0.5
         best = tl.zeros([BLOCK_J], dtype=tl.float32)
         for j0 in range(0, n_causal, BLOCK_J):
             j = j0 + cols
@@ -881,20 +939,23 @@ def stage_kv(k_cache, v_cache, page_table, seqlens_k, layout: BatchLayout, kv_he
     return k_staged, v_staged
 
 
-def pool_blocks(cache: torch.Tensor, page_table: torch.Tensor, seqlens_k: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-    """(batch, max_k_blocks, num_kv_heads, head_dim) float32 mean of every key (or value) block."""
+def pool_blocks(cache: torch.Tensor, page_table: torch.Tensor, seqlens_k: torch.Tensor, layout: BatchLayout,
+                extremes: bool = False):  # fmt: skip
+    """(batch, max_k_blocks, num_kv_heads, head_dim) float32 mean of every key (or value) block; with
+    ``extremes`` a pair instead: the elementwise maximum and minimum of every block."""
     head_dim, num_kv = cache.shape[3], cache.shape[2]
-    pooled = torch.zeros(layout.batch, max(layout.max_k_blocks, 1), num_kv, head_dim, dtype=torch.float32, device=cache.device)
-    if layout.max_k_blocks == 0:
-        return pooled
-    grid = (layout.max_k_blocks, layout.batch, num_kv)
-    _pool_blocks_kernel[grid](
-        cache, page_table, seqlens_k, pooled,
-        cache.stride(0), cache.stride(1), cache.stride(2), page_table.stride(0),
-        pooled.stride(0), pooled.stride(1), pooled.stride(2),
-        PAGE_SIZE=cache.shape[1], BLOCK=layout.block_size, HEAD_DIM=head_dim, CHUNK=min(layout.block_size, 64),
-    )
-    return pooled
+    shape = (layout.batch, max(layout.max_k_blocks, 1), num_kv, head_dim)
+    pooled = torch.zeros(shape, dtype=torch.float32, device=cache.device)
+    pooled_min = torch.zeros_like(pooled) if extremes else pooled
+    if layout.max_k_blocks:
+        _pool_blocks_kernel[(layout.max_k_blocks, layout.batch, num_kv)](
+            cache, page_table, seqlens_k, pooled, pooled_min,
+            cache.stride(0), cache.stride(1), cache.stride(2), page_table.stride(0),
+            pooled.stride(0), pooled.stride(1), pooled.stride(2),
+            PAGE_SIZE=cache.shape[1], BLOCK=layout.block_size, HEAD_DIM=head_dim, CHUNK=min(layout.block_size, 64),
+            EXTREMES=extremes,
+        )  # fmt: skip
+    return (pooled, pooled_min) if extremes else pooled
 
 
 def select_blocks(
@@ -918,24 +979,35 @@ def select_blocks(
         return BlockIndex(layout=layout, counts=counts, indices=indices, scores=scores)
     group = num_heads // num_kv
     rows = config.block_size // config.query_stride
-    row_chunk = min(128, triton.next_power_of_2(group * rows))
     exact = config.estimator == "exact"
+    with_means = config.estimator in ("pooled", "mixed")
+    with_bounds = config.estimator in ("bound", "mixed")
+    # Shared memory (227 KB per block on the H200): each key tile's pooled operands (mean; max and min)
+    # are pipelined unless they exceed 256 values per row (the bound search at head_dim 256 asked for
+    # 288 KB pipelined and did not launch), and bound searches at head_dim 256 take half the rows.
+    unpipelined = head_dim * (with_means + 2 * with_bounds) > 256
+    row_chunk = min(64 if with_bounds and head_dim > 128 else 128, triton.next_power_of_2(group * rows))
+    means = maxima = minima = row_stats = scores  # the pooled scoring's inputs a launch does not read
     if exact:
         _exact_scores(q, k_cache, page_table, cu_seqlens_q, seqlens_k, layout, config, scale, scores)
-        pooled = row_stats = scores  # the pooled scoring's inputs, not read when PRESCORED
     else:
-        pooled = pool_blocks(k_cache, page_table, seqlens_k, layout)
-        row_stats = torch.empty(total_qb, num_kv, 2 * row_chunk, dtype=torch.float32, device=q.device)
+        if with_means:
+            means = pool_blocks(k_cache, page_table, seqlens_k, layout)
+        if with_bounds:
+            maxima, minima = pool_blocks(k_cache, page_table, seqlens_k, layout, extremes=True)
+        row_stats = torch.empty(total_qb, num_kv, 4 * row_chunk, dtype=torch.float32, device=q.device)
+    pooled = means if with_means else maxima  # all pooled tensors share one layout
     _select_kernel[(total_qb, num_kv)](
-        q, pooled, cu_seqlens_q, seqlens_k, layout.qblock_seq, layout.qblock_pos, layout.qblock_dense,
+        q, means, maxima, minima, cu_seqlens_q, seqlens_k, layout.qblock_seq, layout.qblock_pos, layout.qblock_dense,
         row_stats, scores, counts, indices,
         q.stride(0), q.stride(1), pooled.stride(0), pooled.stride(1), pooled.stride(2),
         scores.stride(0), scores.stride(1),
         scale * LOG2E, config.threshold, config.target_mass, config.sink_blocks, config.local_blocks,
         GROUP=group, HEAD_DIM=head_dim, BLOCK=config.block_size, STRIDE=config.query_stride,
         ROWS=rows, ROW_CHUNK=row_chunk, BLOCK_J=64 if head_dim <= 128 else 32, PRESCORED=exact,
-        num_warps=4 if INTERPRET or head_dim <= 64 else 8,
-    )
+        MEANS=with_means, BOUNDS=with_bounds,
+        num_warps=4 if INTERPRET or head_dim <= 64 else 8, **({"num_stages": 1} if unpipelined else {}),
+    )  # fmt: skip
     return BlockIndex(layout=layout, counts=counts, indices=indices, scores=scores)
 
 

@@ -4,6 +4,8 @@ FlashAttention-2 forward over contiguous K/V loaded with TMA descriptors, at sev
 and without Triton's warp specialisation, against cuDNN and our dense mode with pointer reads.
 
   python3 scripts/experiments/tma_contiguous.py 8192,32768,131072
+
+(The kernel's two loops share one softmax helper since that run.)
 """
 
 import sys
@@ -23,6 +25,15 @@ from prefill_accel import BatchLayout, SparsePrefillConfig, reference, triton_ke
 
 
 @triton.jit
+def _fold(logits, values, row_max, row_sum, acc):
+    """Fold one tile of scaled base-2 logits and its values into the running softmax state."""
+    new_max = tl.maximum(row_max, tl.max(logits, 1))
+    p = tl.exp2(logits - new_max[:, None])
+    alpha = tl.exp2(row_max - new_max)
+    return new_max, row_sum * alpha + tl.sum(p, 1), tl.dot(p.to(values.dtype), values, acc * alpha[:, None])
+
+
+@triton.jit
 def _fwd(desc_q, desc_k, desc_v, out, lse, n_ctx, qk_scale, stride_ot, stride_oh, stride_lh,
          H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
          WS: tl.constexpr, STAGES: tl.constexpr):
@@ -37,30 +48,14 @@ def _fwd(desc_q, desc_k, desc_v, out, lse, n_ctx, qk_scale, stride_ot, stride_oh
     acc = tl.zeros([BM, D], tl.float32)
     hi = mb * BM
     for start in tl.range(0, hi, BN, num_stages=STAGES, warp_specialize=WS):
-        k = desc_k.load([start, kvh * D])
-        s = tl.dot(q, k.T)
-        new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - new_max[:, None])
-        alpha = tl.exp2(row_max - new_max)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = desc_v.load([start, kvh * D])
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        row_max = new_max
+        logits = tl.dot(q, desc_k.load([start, kvh * D]).T) * qk_scale
+        row_max, row_sum, acc = _fold(logits, desc_v.load([start, kvh * D]), row_max, row_sum, acc)
     rows = mb * BM + tl.arange(0, BM)
     for start in tl.range(hi, hi + BM, BN):
         cols = start + tl.arange(0, BN)
-        k = desc_k.load([start, kvh * D])
-        s = tl.dot(q, k.T) * qk_scale
-        s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(s, 1))
-        p = tl.exp2(s - new_max[:, None])
-        alpha = tl.exp2(row_max - new_max)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = desc_v.load([start, kvh * D])
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        row_max = new_max
+        logits = tl.dot(q, desc_k.load([start, kvh * D]).T) * qk_scale
+        logits = tl.where(cols[None, :] <= rows[:, None], logits, float("-inf"))
+        row_max, row_sum, acc = _fold(logits, desc_v.load([start, kvh * D]), row_max, row_sum, acc)
     acc = acc / row_sum[:, None]
     dims = tl.arange(0, D)
     tl.store(out + rows[:, None].to(tl.int64) * stride_ot + head * stride_oh + dims[None, :], acc.to(out.dtype.element_ty),

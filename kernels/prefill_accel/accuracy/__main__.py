@@ -119,10 +119,9 @@ def _fmt(value, spec: str) -> str:
 
 
 def _estimator(config: dict) -> str:
-    """``pooled`` or ``exact1`` (the exact estimate with its rows per block), for the tables."""
-    if config.get("estimator", "pooled") == "exact":
-        return f"exact{config['exact_rows']}"
-    return "pooled"
+    """``pooled``, ``bound`` or ``exact1`` (the exact estimate with its rows per block), for the tables."""
+    estimator = config.get("estimator", "pooled")
+    return f"exact{config['exact_rows']}" if estimator == "exact" else estimator
 
 
 def summary_table(results: list[ConfigResult]) -> str:

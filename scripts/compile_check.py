@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Compile every Triton kernel launch of prefill-accel for a CUDA target without a GPU.
+
+The host functions run on small CPU inputs with every kernel launch recorded instead of run (each
+tile shape an autotuned kernel may pick counts as a launch); each recorded launch is then compiled
+for the target with triton's bundled ptxas. This catches what the interpreter lets through (code
+that does not compile, shared memory past the GPU's limit) before a GPU run. Argument values that
+triton would specialise on (ints equal to 1, alignment) are not, so the compiled code can differ in
+detail from the GPU's, not in what compiles or in the shared memory the tiles need.
+
+  python scripts/compile_check.py              # sm_90 (H100, H200): 227 KB of shared memory per block
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import multiprocessing
+import os
+import sys
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("compile_check.py compiles for a GPU: run it without TRITON_INTERPRET=1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.autotuner import Autotuner  # noqa: E402
+from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+
+from prefill_accel import SparsePrefillConfig, triton_kernels  # noqa: E402
+from prefill_accel.layout import BatchLayout  # noqa: E402
+
+SHARED_LIMIT = {90: 232448}  # bytes per block with the opt-in maximum
+JOBS: list = []  # the launches to compile, shared with forked workers (kernels do not pickle)
+
+
+def record_launches() -> list[tuple[JITFunction, dict, dict]]:
+    """Make kernel launches record (kernel, arguments by name, options) instead of running."""
+    launches = []
+
+    def jit_run(self, *args, grid, warmup, **kwargs):
+        options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+        bound = dict(zip(self.arg_names, args)) | kwargs
+        # Descriptors are copied: an autotuning pre-hook reshapes the same object for the next tile.
+        bound = {name: copy.copy(value) if isinstance(value, TensorDescriptor) else value for name, value in bound.items()}
+        launches.append((self, bound, options))
+
+    def autotuned_run(self, *args, grid, warmup, **kwargs):
+        self.nargs = dict(zip(self.arg_names, args))
+        named = self.nargs | kwargs
+        for config in self.prune_configs(kwargs):
+            if config.pre_hook:
+                config.pre_hook(named | config.all_kwargs())
+            jit_run(self.fn, *args, grid=grid, warmup=warmup, **kwargs, **config.all_kwargs())
+
+    JITFunction.run = jit_run
+    Autotuner.run = autotuned_run
+    return launches
+
+
+def argument(param, args: dict):
+    """A launch's value of one kernel parameter, its default where the launch leaves it out."""
+    return args[param.name] if param.name in args else param.default
+
+
+def compile_launch(kernel: JITFunction, args: dict, options: dict, capability: int):
+    """Compile one recorded launch; constexpr parameters and None arguments are fixed values."""
+    signature, constexprs = {}, {}
+    for i, param in enumerate(kernel.params):
+        value = argument(param, args)
+        if param.is_constexpr or value is None:
+            signature[param.name], constexprs[(i,)] = "constexpr", value
+        else:
+            signature[param.name] = mangle_type(value)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def variant(kernel: JITFunction, args: dict, options: dict) -> tuple:
+    """What makes two launches compile alike: constexprs, argument types, options."""
+    values = [(p, argument(p, args)) for p in kernel.params]
+    fixed = tuple((p.name, value) for p, value in values if p.is_constexpr or value is None)
+    types = tuple(mangle_type(value) for p, value in values if not p.is_constexpr and value is not None)
+    return kernel.__name__, fixed, types, tuple(sorted(options.items()))
+
+
+def run_host_functions() -> None:
+    """Every path of the kernels' host functions on small inputs, at head_dim 64, 128 and 256: each
+    estimator; dense and sparse attention (with mean correction and split-KV) with pointer reads and
+    TMA reads from a staged copy (pages of 16), and TMA reads in place (pages of 64)."""
+    for head_dim in (64, 128, 256):
+        for page_size, modes in ((16, ("pointer", "tma")), (64, ("tma",))):
+            length = 36 * 128  # its last query block is a long row (layout.LONG_ROW_BLOCKS): split-KV runs
+            q = torch.zeros(length, 8, head_dim, dtype=torch.bfloat16)
+            k_cache = torch.zeros(-(-length // page_size) + 1, page_size, 2, head_dim, dtype=torch.bfloat16)
+            table = torch.arange(k_cache.shape[0] - 1, dtype=torch.int32).view(1, -1)
+            cu, seqlens = torch.tensor([0, length], dtype=torch.int32), torch.tensor([length], dtype=torch.int32)
+            for estimator in ("pooled", "bound", "mixed", "exact"):
+                config = SparsePrefillConfig(min_q_len=0, estimator=estimator, last_query_blocks=1)
+                layout = BatchLayout.build(cu, seqlens, config, q.device)
+                index = triton_kernels.select_blocks(q, k_cache, table, cu, seqlens, layout, config, head_dim**-0.5)
+            index.counts.fill_(1)  # nothing ran: give the host code an index it can read
+            index.indices.zero_()
+            for reads in modes:
+                args = (q, k_cache, k_cache, table, cu, seqlens, layout)
+                triton_kernels.block_sparse_attention(*args, None, 0.1, False, None, kv_reads=reads)
+                triton_kernels.block_sparse_attention(*args, index, 0.1, True, None, kv_reads=reads)
+
+
+def compile_one(number: int) -> tuple[str, int | None, str]:
+    """(kernel variant, shared bytes or None, error) of launch ``JOBS[number]``."""
+    kernel, named, options, capability, shape = JOBS[number]
+    try:
+        return shape, compile_launch(kernel, named, options, capability).metadata.shared, ""
+    except Exception as error:  # noqa: BLE001 - every failure is reported, then the script fails
+        return shape, None, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--capability", type=int, default=90, choices=sorted(SHARED_LIMIT))
+    parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="compiles run in parallel")
+    args = parser.parse_args()
+    launches = record_launches()
+    run_host_functions()
+    jobs, groups, seen = JOBS, defaultdict(list), set()
+    for kernel, named, options in launches:
+        key = variant(kernel, named, options)
+        if key in seen:
+            continue
+        seen.add(key)
+        tile = ("BLOCK_M", "BLOCK_N")
+        shape = kernel.__name__ + "(" + ", ".join(f"{k}={v}" for k, v in key[1] if k.isupper()) + "".join(f", {k}={v}" for k, v in key[3]) + ")"
+        # The launches an autotuner chooses among: the same kernel and arguments but for the tile.
+        types = tuple(t.split("[")[0] for t in key[2])  # a descriptor's block shape follows the tile
+        groups[(key[0], tuple(kv for kv in key[1] if kv[0] not in tile), types)].append(shape)
+        jobs.append((kernel, named, options, args.capability, shape))
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        results = {shape: (shared, error) for shape, shared, error in pool.map(compile_one, range(len(jobs)))}
+    limit = SHARED_LIMIT[args.capability]
+    failures = [f"{shape}: {error}" for shape, (shared, error) in results.items() if error]
+    for shapes in groups.values():  # an autotuner skips tiles past the limit, so one that fits is enough
+        if not any(results[shape][0] is not None and results[shape][0] <= limit for shape in shapes):
+            failures += [f"{shape}: {results[shape][0]} bytes of shared memory, over {limit}" for shape in shapes
+                         if results[shape][0] is not None]  # fmt: skip
+    print(f"compiled {len(jobs) - sum(1 for _, e in results.values() if e)} of {len(jobs)} kernel variants for "
+          f"sm_{args.capability}; {len(failures)} failures")
+    for line in failures:
+        print("FAIL", line)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
