@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
+from prefill_accel import reference  # noqa: E402
 from prefill_accel.accuracy.metrics import block_attention_mass, selection_quality  # noqa: E402
 
 
@@ -34,46 +35,37 @@ def sampled_rows(block: int, pos: int, length: int, stride: int) -> torch.Tensor
     return rows if len(rows) else torch.tensor([min((pos + 1) * block, length) - 1])
 
 
-def pooled_estimate(q, k, block: int, scale: float, stride: int, pool: int | None = None) -> torch.Tensor:
-    """(nb, Hkv, nb): softmax over causal key blocks of q . mean key + ln(keys in block), averaged
-    over the sampled rows and the query heads of each KV head's group. With ``pool`` (a divisor of
-    the block) the means are of ``pool``-key sub-blocks and a block's estimate sums its sub-blocks' shares."""
+def _per_query_block(q, num_kv: int, block: int, stride: int, pool: int, estimate) -> torch.Tensor:
+    """(nb, Hkv, nb): ``estimate(rows, n)``, the (Hkv, n) shares of the sampled rows of a query block
+    (R, Hkv, G, D) over the first n pooled key groups of ``pool`` keys, summed into key blocks."""
     length, heads, dim = q.shape
-    num_kv = k.shape[1]
-    pool = pool or block
-    nb, per_block = -(-length // block), block // pool
-    ns = nb * per_block
-    padded = torch.nn.functional.pad(k.float(), (0, 0, 0, 0, 0, ns * pool - length)).view(ns, pool, num_kv, dim)
-    count = torch.clamp(length - torch.arange(ns) * pool, min=0, max=pool).float()
-    mean_k = padded.sum(1) / count.clamp(min=1)[:, None, None]
+    nb, per_block, n_pooled = -(-length // block), block // pool, -(-length // pool)
     est = torch.zeros(nb, num_kv, nb)
     for pos in range(nb):
         rows = sampled_rows(block, pos, length, stride)
-        qs = q[rows].float().view(len(rows), num_kv, heads // num_kv, dim)
-        visible = (pos + 1) * per_block
-        logits = torch.einsum("rhgd,jhd->hgrj", qs, mean_k[:visible]) * scale + count[:visible].log()
-        shares = torch.softmax(logits, -1).mean((1, 2))  # (Hkv, sub-blocks); empty sub-blocks get 0
+        visible = min((pos + 1) * per_block, n_pooled)
+        shares = estimate(q[rows].float().view(len(rows), num_kv, heads // num_kv, dim), visible)
+        shares = torch.nn.functional.pad(shares, (0, (pos + 1) * per_block - visible))
         est[pos, :, : pos + 1] = shares.view(num_kv, pos + 1, per_block).sum(-1)
     return est
 
 
+def pooled_estimate(q, k, block: int, scale: float, stride: int, pool: int | None = None) -> torch.Tensor:
+    """(nb, Hkv, nb): the kernels' pooled-key estimate (``reference.pooled_estimate``) of every
+    ``stride``-th query row. With ``pool`` (a divisor of the block) the means are of ``pool``-key
+    sub-blocks and a block's estimate sums its sub-blocks' shares."""
+    pool = pool or block
+    mean_k, sizes = reference.pooled_blocks(k.float(), pool)
+    estimate = lambda rows, n: reference.pooled_estimate(rows, mean_k[:n], sizes[:n], scale)  # noqa: E731
+    return _per_query_block(q, k.shape[1], block, stride, pool, estimate)
+
+
 def bound_estimate(q, k, block: int, scale: float, stride: int) -> torch.Tensor:
-    """(nb, Hkv, nb): as pooled_estimate with q . mean key replaced by the upper bound of the row's
-    logits over the block's keys, q+ . max key + q- . min key (the kernels' ``estimator="bound"``)."""
-    length, heads, dim = q.shape
-    num_kv = k.shape[1]
-    nb = -(-length // block)
-    padded = torch.nn.functional.pad(k.float(), (0, 0, 0, 0, 0, nb * block - length), value=float("nan")).view(nb, block, num_kv, dim)
-    max_k, min_k = padded.nan_to_num(float("-inf")).amax(1), padded.nan_to_num(float("inf")).amin(1)
-    count = torch.clamp(length - torch.arange(nb) * block, max=block).float()
-    est = torch.zeros(nb, num_kv, nb)
-    for pos in range(nb):
-        rows = sampled_rows(block, pos, length, stride)
-        qs = q[rows].float().view(len(rows), num_kv, heads // num_kv, dim)
-        positive = qs.clamp(min=0)
-        logits = torch.einsum("rhgd,jhd->hgrj", positive, max_k[: pos + 1]) + torch.einsum("rhgd,jhd->hgrj", qs - positive, min_k[: pos + 1])
-        est[pos, :, : pos + 1] = torch.softmax(logits * scale + count[: pos + 1].log(), -1).mean((1, 2))
-    return est
+    """(nb, Hkv, nb): the kernels' key-bound estimate (``reference.bound_estimate``), q+ . max key +
+    q- . min key in place of q . mean key."""
+    max_k, min_k, sizes = reference.bounding_blocks(k.float(), block)
+    estimate = lambda rows, n: reference.bound_estimate(rows, max_k[:n], min_k[:n], sizes[:n], scale)  # noqa: E731
+    return _per_query_block(q, k.shape[1], block, stride, block, estimate)
 
 
 def exact_estimate(q, k, block: int, scale: float, rows_per_block: int) -> torch.Tensor:

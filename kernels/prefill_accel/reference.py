@@ -131,15 +131,15 @@ def _scored_rows(layout: BatchLayout, config: SparsePrefillConfig, qb: int) -> t
     return seq, pos, rows
 
 
-def _pooled_estimate(q_rows, mean_keys, sizes, scale):
+def pooled_estimate(q_rows, mean_keys, sizes, scale):
     """(Hkv, blocks): softmax over the blocks of each row against the blocks' mean keys (+ ln of
     their lengths), averaged over the rows and the query heads of the group; q_rows (R, Hkv, G, D)."""
     logits = torch.einsum("rhgd,jhd->hrgj", q_rows, mean_keys) * scale + torch.log(sizes)
     return torch.softmax(logits, dim=-1).mean(dim=(1, 2))
 
 
-def _bound_estimate(q_rows, max_keys, min_keys, sizes, scale):
-    """(Hkv, blocks): as _pooled_estimate, with each row's logit for a block the upper bound of its
+def bound_estimate(q_rows, max_keys, min_keys, sizes, scale):
+    """(Hkv, blocks): as pooled_estimate, with each row's logit for a block the upper bound of its
     logits over the block's keys, q+ . max_key + q- . min_key (q+ and q- the positive and negative parts)."""
     positive = q_rows.clamp(min=0)
     bound = torch.einsum("rhgd,jhd->hrgj", positive, max_keys) + torch.einsum("rhgd,jhd->hrgj", q_rows - positive, min_keys)
@@ -224,9 +224,9 @@ def select_blocks(
             (mean_keys, sizes), (max_keys, min_keys, _) = pooled[seq]
             estimates = []  # each (Hkv, pos + 1)
             if config.estimator in ("pooled", "mixed"):
-                estimates.append(_pooled_estimate(q_rows, mean_keys[causal], sizes[causal], scale))
+                estimates.append(pooled_estimate(q_rows, mean_keys[causal], sizes[causal], scale))
             if config.estimator in ("bound", "mixed"):
-                estimates.append(_bound_estimate(q_rows, max_keys[causal], min_keys[causal], sizes[causal], scale))
+                estimates.append(bound_estimate(q_rows, max_keys[causal], min_keys[causal], sizes[causal], scale))
             estimate = sum(estimates) / len(estimates)
         scores[qb, :, causal] = estimate.float()
         cut = config.threshold * estimate.amax(dim=-1, keepdim=True)

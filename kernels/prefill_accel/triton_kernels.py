@@ -187,19 +187,18 @@ def _pool_blocks_kernel(
 
 
 @triton.jit
-def _pooled_logits(q_chunk, pooled_seq, pooled_min_seq, j, n_causal, k_len, qk_scale, stride_pj, dims,
+def _pooled_logits(q_rows, q_negative, keys_seq, low_seq, j, n_causal, k_len, qk_scale, stride_pj, dims,
                    BLOCK: tl.constexpr, BOUND: tl.constexpr):  # fmt: skip
-    """Scaled (log2) logits of the rows in ``q_chunk`` against the mean keys of key blocks ``j`` (with
-    BOUND, the upper bound q+ . max_key + q- . min_key of their logits), plus the log of each block's
-    length; -inf past the causal blocks."""
+    """Scaled (log2) logits of ``q_rows`` against the pooled keys ``keys_seq`` of key blocks ``j``,
+    plus the log of each block's length; -inf past the causal blocks. With BOUND, ``q_rows`` is the
+    rows' positive part and the logits are the bound q+ . max_key + q- . min_key (``low_seq`` the
+    minima, ``q_negative`` the rows' negative part)."""
     causal = j[:, None] < n_causal
-    keys = tl.load(pooled_seq + j[:, None] * stride_pj + dims[None, :], mask=causal, other=0.0).to(q_chunk.dtype)
+    keys = tl.load(keys_seq + j[:, None] * stride_pj + dims[None, :], mask=causal, other=0.0).to(q_rows.dtype)
+    dots = _dot(q_rows, tl.trans(keys))
     if BOUND:
-        positive = tl.maximum(q_chunk, 0.0).to(q_chunk.dtype)
-        low = tl.load(pooled_min_seq + j[:, None] * stride_pj + dims[None, :], mask=causal, other=0.0).to(q_chunk.dtype)
-        dots = _dot(positive, tl.trans(keys)) + _dot((q_chunk - positive).to(q_chunk.dtype), tl.trans(low))
-    else:
-        dots = _dot(q_chunk, tl.trans(keys))
+        low = tl.load(low_seq + j[:, None] * stride_pj + dims[None, :], mask=causal, other=0.0).to(q_rows.dtype)
+        dots += _dot(q_negative, tl.trans(low))
     block_len = tl.maximum(tl.minimum(k_len - j * BLOCK, BLOCK), 1).to(tl.float32)
     logits = dots * qk_scale + tl.log2(block_len)[None, :]
     return tl.where(j[None, :] < n_causal, logits, float("-inf"))
@@ -236,6 +235,9 @@ def _pooled_scores(q, means, maxima, minima, scores, row_stats, qb, h, seq, pos,
         chunk_valid = (flat < GROUP * ROWS) & (chunk_pos >= prefix) & (chunk_pos < k_len)
         q_offsets = (q_start + chunk_pos - prefix).to(tl.int64) * stride_qt + (h * GROUP + flat // ROWS) * stride_qh
         q_chunk = tl.load(q + q_offsets[:, None] + dims[None, :], mask=chunk_valid[:, None], other=0.0)
+        if BOUNDS:  # the rows' positive and negative parts, once per chunk
+            q_positive = tl.maximum(q_chunk, 0.0).to(q_chunk.dtype)
+            q_negative = (q_chunk - q_positive).to(q_chunk.dtype)
         mean_max = tl.full([ROW_CHUNK], float("-inf"), dtype=tl.float32)
         mean_sum = tl.zeros([ROW_CHUNK], dtype=tl.float32)
         bound_max = tl.full([ROW_CHUNK], float("-inf"), dtype=tl.float32)
@@ -243,12 +245,12 @@ def _pooled_scores(q, means, maxima, minima, scores, row_stats, qb, h, seq, pos,
         for j0 in range(0, n_causal, BLOCK_J):
             j = j0 + cols
             if MEANS:
-                logits = _pooled_logits(q_chunk, means_seq, means_seq, j, n_causal, k_len, qk_scale, stride_pj, dims,
-                                        BLOCK, False)  # fmt: skip
+                logits = _pooled_logits(q_chunk, q_chunk, means_seq, means_seq, j, n_causal, k_len, qk_scale, stride_pj,
+                                        dims, BLOCK, False)  # fmt: skip
                 mean_max, mean_sum = _softmax_stats(logits, mean_max, mean_sum)
             if BOUNDS:
-                logits = _pooled_logits(q_chunk, maxima_seq, minima_seq, j, n_causal, k_len, qk_scale, stride_pj, dims,
-                                        BLOCK, True)  # fmt: skip
+                logits = _pooled_logits(q_positive, q_negative, maxima_seq, minima_seq, j, n_causal, k_len, qk_scale,
+                                        stride_pj, dims, BLOCK, True)  # fmt: skip
                 bound_max, bound_sum = _softmax_stats(logits, bound_max, bound_sum)
         if MEANS:
             tl.store(stats + rows, mean_max)
@@ -263,12 +265,12 @@ def _pooled_scores(q, means, maxima, minima, scores, row_stats, qb, h, seq, pos,
             j = j0 + cols
             mass = tl.zeros([BLOCK_J], dtype=tl.float32)
             if MEANS:
-                logits = _pooled_logits(q_chunk, means_seq, means_seq, j, n_causal, k_len, qk_scale, stride_pj, dims,
-                                        BLOCK, False)  # fmt: skip
+                logits = _pooled_logits(q_chunk, q_chunk, means_seq, means_seq, j, n_causal, k_len, qk_scale, stride_pj,
+                                        dims, BLOCK, False)  # fmt: skip
                 mass += tl.sum(tl.exp2(logits - mean_max[:, None]) * mean_inv[:, None], axis=0)
             if BOUNDS:
-                logits = _pooled_logits(q_chunk, maxima_seq, minima_seq, j, n_causal, k_len, qk_scale, stride_pj, dims,
-                                        BLOCK, True)  # fmt: skip
+                logits = _pooled_logits(q_positive, q_negative, maxima_seq, minima_seq, j, n_causal, k_len, qk_scale,
+                                        stride_pj, dims, BLOCK, True)  # fmt: skip
                 mass += tl.sum(tl.exp2(logits - bound_max[:, None]) * bound_inv[:, None], axis=0)
             previous = tl.load(scores + out_row + j, mask=j < n_causal, other=0.0)
             tl.store(scores + out_row + j, previous + mass, mask=j < n_causal)
