@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -190,6 +192,15 @@ def test_kv_read_mode_and_direct_tma_pages(monkeypatch):
     for forced in ("tma", "pointer"):
         monkeypatch.setattr(triton_kernels, "KV_READS", forced)
         assert triton_kernels.kv_read_mode(narrow.q, narrow.k_cache, narrow.v_cache) == forced
+    if not hopper:  # forced TMA where the GPU has none: page-table reads, one warning
+        monkeypatch.setattr(triton_kernels, "KV_READS", "tma")
+        monkeypatch.setattr(triton_kernels, "INTERPRET", False)
+        monkeypatch.setattr(triton_kernels, "_warned", set())
+        with pytest.warns(RuntimeWarning, match="compute capability 9.0"):
+            assert triton_kernels.kv_read_mode(narrow.q, narrow.k_cache, narrow.v_cache) == "pointer"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert triton_kernels.kv_read_mode(narrow.q, narrow.k_cache, narrow.v_cache) == "pointer"
     assert not triton_kernels._pages_hold_tiles(narrow.k_cache), "pages of 16 rows are narrower than a tile"
     assert triton_kernels._pages_hold_tiles(wide.k_cache)
     heads_apart = wide.k_cache.transpose(1, 2).contiguous().transpose(1, 2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import torch
 import triton
@@ -1140,13 +1141,26 @@ def kv_read_mode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """"tma" for 16-bit caches at a head size in TMA_HEAD_DIMS on CUDA GPUs with bulk tensor copies
     (compute capability 9.0 and later), in dense mode or for a sparse launch whose longest sequence
     (``sparse_context``; 0 in dense mode) has TMA_SPARSE_MIN_KEYS keys; else "pointer".
-    PREFILL_ACCEL_KV_READS=pointer (or tma) decides instead."""
+    PREFILL_ACCEL_KV_READS=pointer (or tma) decides instead; tma where the GPU has no bulk tensor
+    copies reads through the page table, with one warning."""
+    capable = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+    if KV_READS == "tma" and not (capable or INTERPRET):
+        _warn_once("PREFILL_ACCEL_KV_READS=tma needs compute capability 9.0 or later: reading K/V through the page table")
+        return "pointer"
     if KV_READS in ("pointer", "tma"):
         return KV_READS
-    capable = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
     sixteen_bit = k_cache.dtype in (torch.float16, torch.bfloat16) and v_cache.dtype == k_cache.dtype
     long_enough = sparse_context == 0 or sparse_context >= TMA_SPARSE_MIN_KEYS
     return "tma" if capable and sixteen_bit and q.shape[2] in TMA_HEAD_DIMS and long_enough else "pointer"
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _pages_hold_tiles(cache: torch.Tensor) -> bool:
