@@ -117,9 +117,15 @@ def tile_sweep(kernel_args, layout, scale, out, flops, cudnn_ms, reps) -> list[d
     return rows
 
 
+def pipelined_time(fn, reps: int, calls: int = 8) -> float:
+    """Milliseconds per call of ``calls`` back-to-back calls (the host runs ahead, as in a model's forward)."""
+    return cuda_time(lambda: [fn() for _ in range(calls)], reps) / calls
+
+
 def dense_route_breakdown(q, k_cache, v_cache, table, length: int, reps: int) -> dict:
     """Where the public function's dense route (cuDNN, below min_q_len) spends its time on one
-    fresh sequence: the page gather, cuDNN with the GQA groups native and expanded, the length read."""
+    fresh sequence: the page gather, cuDNN with the GQA groups native and expanded, the length read,
+    the whole function with a prebuilt layout (no length read), and calls back to back."""
     group = q.shape[1] // k_cache.shape[2]
     cudnn = lambda k, v: api.cudnn_causal_attention(q, k, v, q.shape[2] ** -0.5)  # noqa: E731
     gather = lambda: [reference.gather_kv(c, table, 0, length) for c in (k_cache, v_cache)]  # noqa: E731
@@ -134,6 +140,16 @@ def dense_route_breakdown(q, k_cache, v_cache, table, length: int, reps: int) ->
     lengths = torch.tensor([0, length, length], dtype=torch.int32, device=q.device)
     row["length_read_ms"] = cuda_time(lambda: lengths.long().cpu(), reps)
     row["api_uses_native_gqa"] = api._cudnn_gqa
+    cu, seqlens = lengths[:2], lengths[2:]
+    out = torch.empty_like(q)
+    layout = BatchLayout.build(torch.tensor([0, length]), torch.tensor([length]), SparsePrefillConfig(), q.device)
+    public = lambda: sparse_prefill_attention(q, k_cache, v_cache, table, cu, seqlens, out=out, layout=layout)  # noqa: E731
+    row["public_layout_ms"] = cuda_time(public, reps)
+    row["pipelined_public_layout_ms"] = pipelined_time(public, reps)
+    reading_lengths = lambda: sparse_prefill_attention(q, k_cache, v_cache, table, cu, seqlens, out=out)  # noqa: E731
+    row["pipelined_public_ms"] = pipelined_time(reading_lengths, reps)
+    baseline = sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION)
+    row["pipelined_cudnn_ms"] = pipelined_time(baseline, reps)
     return row
 
 
@@ -156,29 +172,34 @@ def threshold_for_density(args, target: float, base: SparsePrefillConfig) -> tup
 
 def check_correctness(dtypes, head_dims, page_sizes, log=lambda line: None) -> list[str]:
     """Fresh random inputs vs the float32 reference, with a poisoned output buffer, for each way of
-    reading K/V the GPU has (TMA from compute capability 9.0)."""
+    reading K/V the GPU has (TMA from compute capability 9.0). The keys have blocks of different
+    relevance (``structured_qkv``), so the sparse cases drop blocks (each line gives the density kept)."""
     lines = []
     kv_reads = ("tma", "pointer") if torch.cuda.get_device_capability()[0] >= 9 else ("pointer",)
     for dtype, head_dim, page_size, reads in itertools.product(dtypes, head_dims, page_sizes, kv_reads):
         triton_kernels.KV_READS = reads
         q_lens, k_lens = [3000, 1000, 517], [3000, 5000, 2600]
         heads, num_kv = 8, 2
-        q = torch.randn(sum(q_lens), heads, head_dim, device="cuda", dtype=dtype)
+        seeds = torch.randint(1 << 30, (len(k_lens),)).tolist()
+        seqs = [structured_qkv(k_len, heads, num_kv, head_dim, 128, dtype, seed) for k_len, seed in zip(k_lens, seeds)]
+        q = torch.cat([sq[k_len - q_len :] for (sq, _, _), q_len, k_len in zip(seqs, q_lens, k_lens)])
         n_pages = sum(-(-k // page_size) for k in k_lens)
-        k_cache = torch.randn(n_pages, page_size, num_kv, head_dim, device="cuda", dtype=dtype)
-        v_cache = torch.randn_like(k_cache)
+        k_cache = torch.zeros(n_pages, page_size, num_kv, head_dim, device="cuda", dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
         perm = torch.randperm(n_pages, device="cuda").to(torch.int32)
         table = torch.zeros(len(k_lens), max(-(-k // page_size) for k in k_lens), dtype=torch.int32, device="cuda")
         used = 0
-        for i, k_len in enumerate(k_lens):
+        for i, ((_, k, v), k_len) in enumerate(zip(seqs, k_lens)):
             n = -(-k_len // page_size)
             table[i, :n] = perm[used : used + n]
             used += n
+            for cache, x in ((k_cache, k), (v_cache, v)):
+                cache[table[i, :n].long()] = F.pad(x, (0, 0, 0, 0, 0, n * page_size - k_len)).view(n, page_size, num_kv, head_dim)
         cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         seqlens = torch.tensor(k_lens, dtype=torch.int32, device="cuda")
         args = (q, k_cache, v_cache, table, cu, seqlens)
         ref_out, ref_lse = reference.dense_paged_attention(*args)
-        cases = ((0.0, 0, "pooled"), (0.05, 0, "pooled"), (0.05, 0, "bound"), (0.05, 0, "exact"), (0.05, 1 << 20, "pooled"))
+        cases = ((0.0, 0, "pooled"), (0.05, 0, "pooled"), (0.05, 0, "bound"), (0.05, 0, "mixed"), (0.05, 0, "exact"), (0.05, 1 << 20, "pooled"))
         for threshold, min_q_len, estimator in cases:
             config = SparsePrefillConfig(threshold=threshold, min_q_len=min_q_len, estimator=estimator)
             if min_q_len:  # an all-dense batch of fresh prefills: the cuDNN route
@@ -201,9 +222,10 @@ def check_correctness(dtypes, head_dims, page_sizes, log=lambda line: None) -> l
                 score_err = (index.scores - want.scores).abs().max().item()
                 ok = ok and score_err < 1e-3
                 scores = f" score_err={score_err:.1e}"
+            kept = "" if threshold == 0 or min_q_len else f" density={index.density():.2f}"
             lines.append(
                 f"{'ok ' if ok else 'BAD'} {str(dtype):15s} d={head_dim:3d} page={page_size:2d} {reads:7s} th={threshold} "
-                f"min_q_len={min_q_len} {estimator}: rel_err={err:.2e} lse_err={lse_err:.1e}{scores}"
+                f"min_q_len={min_q_len} {estimator}:{kept} rel_err={err:.2e} lse_err={lse_err:.1e}{scores}"
             )
             log(lines[-1])
     triton_kernels.KV_READS = "auto"
@@ -269,8 +291,9 @@ def bench_length(length, args, results):
     return row
 
 
-def bench_real(path: Path, config: SparsePrefillConfig, repeats: int, page_size: int) -> dict:
-    """Time and check one captured layer: a .pt file holding q (L, Hq, D), k and v (L, Hkv, D)."""
+def bench_real(path: Path, estimators: list[str], repeats: int, page_size: int) -> list[dict]:
+    """Time and check one captured layer, a .pt file holding q (L, Hq, D), k and v (L, Hkv, D), with
+    the default configuration under each estimator (``min_q_len`` 0, so every length is sparse)."""
     data = torch.load(path, map_location="cuda")
     q, k, v = (data[name].to(torch.bfloat16).contiguous() for name in ("q", "k", "v"))
     length, heads, head_dim = q.shape
@@ -281,22 +304,26 @@ def bench_real(path: Path, config: SparsePrefillConfig, repeats: int, page_size:
     scale = data.get("scale")
     dense_out, _ = reference.dense_paged_attention(*kernel_args, softmax_scale=scale)
     out = torch.empty_like(q)
-    cfg = config.replace(min_q_len=0)
-    row = dict(file=path.name, length=length, heads=heads, kv_heads=k.shape[1], head_dim=head_dim)
+    base = dict(file=path.name, length=length, heads=heads, kv_heads=k.shape[1], head_dim=head_dim)
     # cuDNN is timed only up to head_dim 128; for Gemma 3 (256) FA2 is the dense baseline.
-    row["cudnn_ms"] = cuda_time(sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION), repeats) if head_dim <= 128 else float("nan")
-    row["fa2_ms"] = cuda_time(sdpa(q, k, v, SDPBackend.FLASH_ATTENTION), repeats)
-    row["total_ms"] = cuda_time(lambda: sparse_prefill_attention(*kernel_args, config=cfg, softmax_scale=scale, out=out), repeats)
-    row["select_ms"] = cuda_time(lambda: select_blocks(q, k_cache, table, cu, seqlens, config=cfg, softmax_scale=scale), repeats)
-    got, _ = sparse_prefill_attention(*kernel_args, config=cfg, softmax_scale=scale)
-    row["density"] = select_blocks(q, k_cache, table, cu, seqlens, config=cfg, softmax_scale=scale).density()
-    row["rel_err"] = ((got.float() - dense_out).norm() / dense_out.norm()).item()
-    return row
+    base["cudnn_ms"] = cuda_time(sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION), repeats) if head_dim <= 128 else float("nan")
+    base["fa2_ms"] = cuda_time(sdpa(q, k, v, SDPBackend.FLASH_ATTENTION), repeats)
+    rows = []
+    for estimator in estimators:
+        cfg = SparsePrefillConfig(min_q_len=0, estimator=estimator)
+        row = dict(base, estimator=estimator, threshold=cfg.threshold)
+        row["total_ms"] = cuda_time(lambda: sparse_prefill_attention(*kernel_args, config=cfg, softmax_scale=scale, out=out), repeats)  # noqa: B023
+        row["select_ms"] = cuda_time(lambda: select_blocks(q, k_cache, table, cu, seqlens, config=cfg, softmax_scale=scale), repeats)  # noqa: B023
+        got, _ = sparse_prefill_attention(*kernel_args, config=cfg, softmax_scale=scale)
+        row["density"] = select_blocks(q, k_cache, table, cu, seqlens, config=cfg, softmax_scale=scale).density()
+        row["rel_err"] = ((got.float() - dense_out).norm() / dense_out.norm()).item()
+        rows.append(row)
+    return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default="8192,32768,131072")
+    parser.add_argument("--lengths", default="8192,32768,131072", help="random-input lengths (empty: only the --real files)")
     parser.add_argument("--densities", default="0.02,0.05,0.1,0.25")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -305,7 +332,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--query-stride", type=int, default=SparsePrefillConfig().query_stride)
     parser.add_argument("--estimators", default="pooled,exact", help="block-importance estimators of the sparse rows")
-    parser.add_argument("--real", nargs="*", default=[], help="captured q/k/v .pt files to time and check")
+    parser.add_argument("--real", nargs="*", default=[], help="captured q/k/v .pt files to time and check at the default config, under each of --estimators")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--tiles", action="store_true", help="also time the dense-mode kernel at each candidate tile shape")
     parser.add_argument("--out", type=Path)
@@ -319,13 +346,13 @@ def main() -> int:
         lines = check_correctness((torch.bfloat16, torch.float16), (64, 128, 256), (1, 16, 64), log=lambda line: print(line, flush=True))
         report["correctness"] = lines
     results = []
-    for length in (int(x) for x in args.lengths.split(",")):
+    for length in (int(x) for x in args.lengths.split(",") if x):
         t0 = time.time()
         row = bench_length(length, args, results)
         torch.cuda.empty_cache()  # the length's tensors were freed on return
         print(json.dumps(row), f"# {time.time() - t0:.0f}s", flush=True)
     report["random"] = results
-    report["real"] = [bench_real(Path(p), SparsePrefillConfig(), args.repeats, args.page_size) for p in args.real]
+    report["real"] = [row for p in args.real for row in bench_real(Path(p), args.estimators, args.repeats, args.page_size)]
     for row in report["real"]:
         print(json.dumps(row), flush=True)
     print("\n| N | cuDNN ms (TFLOP/s) | FA2 ms (TFLOP/s) | ours dense ms (TFLOP/s, % cuDNN) | pointer reads ms (% cuDNN) | staging ms | default config ms | estimator | density | sparse ms | select ms | attention ms split / unsplit / pointer | vs cuDNN | vs FA2 | rel err |")
@@ -343,6 +370,12 @@ def main() -> int:
                 f"| {s['attention_ms']:.2f} / {s['attention_unsplit_ms']:.2f} / {s['attention_pointer_ms']:.2f} "
                 f"| {s['speedup_cudnn']:.1f}x | {s['speedup_fa2']:.1f}x | {s['rel_err']:.1e} |"
             )
+    if report["real"]:
+        print("\n| layer | N | heads q/kv, d | estimator | FA2 ms | cuDNN ms | sparse ms | select ms | density | rel err vs dense |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in report["real"]:
+        print(f"| {r['file']} | {r['length'] // 1024}K | {r['heads']}/{r['kv_heads']}, {r['head_dim']} | {r['estimator']} | {r['fa2_ms']:.2f} "
+              f"| {r['cudnn_ms']:.2f} | {r['total_ms']:.2f} | {r['select_ms']:.2f} | {100 * r['density']:.1f}% | {r['rel_err']:.1e} |")  # fmt: skip
     for row in results:
         if "dense_route" in row:
             print(f"\nDense route at {row['length'] // 1024}K: public function {row['public_default_ms']:.2f} ms, cuDNN "

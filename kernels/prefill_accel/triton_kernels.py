@@ -141,8 +141,9 @@ def _pool_blocks_kernel(
     cache,
     page_table,
     seqlens_k,
-    pooled,
-    pooled_min,
+    means,
+    maxima,
+    minima,
     stride_cp,
     stride_cs,
     stride_ch,
@@ -154,10 +155,12 @@ def _pool_blocks_kernel(
     BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     CHUNK: tl.constexpr,
+    MEANS: tl.constexpr,
     EXTREMES: tl.constexpr,
 ):
-    """pooled[b, j, h] = mean of the cache rows of key block j of sequence b, head h (float32); with
-    EXTREMES their elementwise maximum instead, and their minimum in pooled_min."""
+    """means[b, j, h] = mean of the cache rows of key block j of sequence b, head h (MEANS); maxima and
+    minima their elementwise maximum and minimum (EXTREMES). Accumulated in float32, stored in the
+    outputs' dtype."""
     j = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -174,17 +177,18 @@ def _pool_blocks_kernel(
             page, slot = _kv_slots(page_table + b * stride_pt, pos, PAGE_SIZE, valid)
             rows = page * stride_cp + slot * stride_cs + h * stride_ch
             x = tl.load(cache + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            if MEANS:
+                total += tl.sum(x, axis=0)
             if EXTREMES:
                 high = tl.maximum(high, tl.max(tl.where(valid[:, None], x, float("-inf")), axis=0))
                 low = tl.minimum(low, tl.min(tl.where(valid[:, None], x, float("inf")), axis=0))
-            else:
-                total += tl.sum(x, axis=0)
         out = b * stride_pb + j * stride_pj + h * stride_ph + dims
+        if MEANS:
+            mean = total / tl.minimum(k_len - start, BLOCK)
+            tl.store(means + out, mean.to(means.dtype.element_ty))
         if EXTREMES:
-            tl.store(pooled + out, high)
-            tl.store(pooled_min + out, low)
-        else:
-            tl.store(pooled + out, total / tl.minimum(k_len - start, BLOCK))
+            tl.store(maxima + out, high.to(maxima.dtype.element_ty))
+            tl.store(minima + out, low.to(minima.dtype.element_ty))
 
 
 @triton.jit
@@ -943,22 +947,24 @@ def stage_kv(k_cache, v_cache, page_table, seqlens_k, layout: BatchLayout, kv_he
 
 
 def pool_blocks(cache: torch.Tensor, page_table: torch.Tensor, seqlens_k: torch.Tensor, layout: BatchLayout,
-                extremes: bool = False):  # fmt: skip
-    """(batch, max_k_blocks, num_kv_heads, head_dim) float32 mean of every key (or value) block; with
-    ``extremes`` a pair instead: the elementwise maximum and minimum of every block."""
+                means: bool = True, extremes: bool = False, dtype: torch.dtype = torch.float32):  # fmt: skip
+    """(means, maxima, minima) of every key (or value) block, each (batch, max_k_blocks, num_kv_heads,
+    head_dim) in ``dtype``, from one pass over the cache: the block's mean with ``means``, its elementwise
+    maximum and minimum with ``extremes``; None for what was not asked."""
     head_dim, num_kv = cache.shape[3], cache.shape[2]
     shape = (layout.batch, max(layout.max_k_blocks, 1), num_kv, head_dim)
-    pooled = torch.zeros(shape, dtype=torch.float32, device=cache.device)
-    pooled_min = torch.zeros_like(pooled) if extremes else pooled
+    outputs = [torch.zeros(shape, dtype=dtype, device=cache.device) if wanted else None
+               for wanted in (means, extremes, extremes)]  # fmt: skip
+    first = next(x for x in outputs if x is not None)
     if layout.max_k_blocks:
         _pool_blocks_kernel[(layout.max_k_blocks, layout.batch, num_kv)](
-            cache, page_table, seqlens_k, pooled, pooled_min,
+            cache, page_table, seqlens_k, *(first if x is None else x for x in outputs),
             cache.stride(0), cache.stride(1), cache.stride(2), page_table.stride(0),
-            pooled.stride(0), pooled.stride(1), pooled.stride(2),
+            first.stride(0), first.stride(1), first.stride(2),
             PAGE_SIZE=cache.shape[1], BLOCK=layout.block_size, HEAD_DIM=head_dim, CHUNK=min(layout.block_size, 64),
-            EXTREMES=extremes,
+            MEANS=means, EXTREMES=extremes,
         )  # fmt: skip
-    return (pooled, pooled_min) if extremes else pooled
+    return tuple(outputs)
 
 
 def select_blocks(
@@ -970,8 +976,11 @@ def select_blocks(
     layout: BatchLayout,
     config: SparsePrefillConfig,
     scale: float,
+    launch: dict | None = None,
 ) -> BlockIndex:
-    """Run the block search on validated, kernel-supported inputs (see :func:`prefill_accel.select_blocks`)."""
+    """Run the block search on validated, kernel-supported inputs (see :func:`prefill_accel.select_blocks`).
+    ``launch`` overrides the search kernel's key tile and launch options (BLOCK_J, num_warps, num_stages),
+    for timing them."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = k_cache.shape[2]
     total_qb, n_blocks = layout.total_q_blocks, max(layout.max_k_blocks, 1)
@@ -985,19 +994,27 @@ def select_blocks(
     exact = config.estimator == "exact"
     with_means = config.estimator in ("pooled", "mixed")
     with_bounds = config.estimator in ("bound", "mixed")
-    # Shared memory (227 KB per block on the H200): each key tile's pooled operands (mean; max and min)
-    # are pipelined unless they exceed 256 values per row (the bound search at head_dim 256 asked for
-    # 288 KB pipelined and did not launch), and bound searches at head_dim 256 take half the rows.
-    unpipelined = head_dim * (with_means + 2 * with_bounds) > 256
+    # Launch shapes as timed on the H200 (scripts/experiments/search_launch.py, 2026-12-01): 4 warps up
+    # to head_dim 128 (pooled 1.6 ms against 1.9 with 8 at 128K, mixed 3.9 against 5.5), key tiles of
+    # 32 blocks for the bound search (2.6 ms against 3.2); at head_dim 256, 8 warps and tiles of 32.
+    # Searches with more than 256 operand values per key block run unpipelined, as timed (with fp32
+    # operands, the pipelined bound search at head_dim 256 asked for 288 KB of shared memory), and
+    # bound searches at head_dim 256 take half the rows.
     row_chunk = min(64 if with_bounds and head_dim > 128 else 128, triton.next_power_of_2(group * rows))
+    options = dict(BLOCK_J=64, num_warps=4)
+    if head_dim > 128 or (with_bounds and not with_means):
+        options["BLOCK_J"] = 32
+    if head_dim > 128 and not INTERPRET:
+        options["num_warps"] = 8
+    if head_dim * (with_means + 2 * with_bounds) > 256:
+        options["num_stages"] = 1
     means = maxima = minima = row_stats = scores  # the pooled scoring's inputs a launch does not read
     if exact:
         _exact_scores(q, k_cache, page_table, cu_seqlens_q, seqlens_k, layout, config, scale, scores)
     else:
-        if with_means:
-            means = pool_blocks(k_cache, page_table, seqlens_k, layout)
-        if with_bounds:
-            maxima, minima = pool_blocks(k_cache, page_table, seqlens_k, layout, extremes=True)
+        # In q's dtype: the search multiplies them in it, so they are rounded to it once, here.
+        blocks = pool_blocks(k_cache, page_table, seqlens_k, layout, with_means, with_bounds, q.dtype)
+        means, maxima, minima = (scores if x is None else x for x in blocks)
         row_stats = torch.empty(total_qb, num_kv, 4 * row_chunk, dtype=torch.float32, device=q.device)
     pooled = means if with_means else maxima  # all pooled tensors share one layout
     _select_kernel[(total_qb, num_kv)](
@@ -1007,9 +1024,8 @@ def select_blocks(
         scores.stride(0), scores.stride(1),
         scale * LOG2E, config.threshold, config.target_mass, config.sink_blocks, config.local_blocks,
         GROUP=group, HEAD_DIM=head_dim, BLOCK=config.block_size, STRIDE=config.query_stride,
-        ROWS=rows, ROW_CHUNK=row_chunk, BLOCK_J=64 if head_dim <= 128 else 32, PRESCORED=exact,
-        MEANS=with_means, BOUNDS=with_bounds,
-        num_warps=4 if INTERPRET or head_dim <= 64 else 8, **({"num_stages": 1} if unpipelined else {}),
+        ROWS=rows, ROW_CHUNK=row_chunk, PRESCORED=exact, MEANS=with_means, BOUNDS=with_bounds,
+        **(options | (launch or {})),
     )  # fmt: skip
     return BlockIndex(layout=layout, counts=counts, indices=indices, scores=scores)
 
@@ -1090,8 +1106,8 @@ def block_sparse_attention(
         counts, indices = index.counts.contiguous(), index.indices.contiguous()
         if mean_correction:
             keep_mask = index.to_mask().to(torch.int8)  # same shape, so same strides, as indices
-            pooled_k = pool_blocks(k_cache, page_table, seqlens_k, layout)
-            pooled_v = pool_blocks(v_cache, page_table, seqlens_k, layout)
+            pooled_k = pool_blocks(k_cache, page_table, seqlens_k, layout)[0]
+            pooled_v = pool_blocks(v_cache, page_table, seqlens_k, layout)[0]
     long_rows = None if dense or not split_kv else _long_rows_to_split(layout, num_heads, q.device)
     split_flags = placeholder if long_rows is None else layout.long_row_flags
     kernel, tile_args = _attention_kernel, {}

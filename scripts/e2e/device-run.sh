@@ -18,16 +18,11 @@ cd /tmp/e2e/repo
 rm -rf .device  # the carried piece, if any, is already in /tmp/stage
 
 if [[ ! -f /tmp/site/.installed ]]; then
-  echo "== assembling $(ls /tmp/stage/piece.* | wc -l) pieces"
-  rm -rf /tmp/bundle && mkdir -p /tmp/bundle
-  cat /tmp/stage/piece.* | tar xf - -C /tmp/bundle
-  (cd /tmp/bundle && grep -v " ./SHA256SUMS$" SHA256SUMS | sha256sum --quiet -c -)
+  bash scripts/e2e/unpack-stage.sh
   echo "== installing vLLM and its missing imports into /tmp/site"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/bundle/wheels/*.whl &
   install=$!
   echo "== converting the GGUF models into /tmp/hf"
-  mkdir -p /tmp/bundle/gguf-only
-  python3 -m pip install -q --no-index --no-deps --target /tmp/bundle/gguf-only /tmp/bundle/wheels/gguf-*.whl
   # E2E_CONVERT="smollm2" converts only the models a short run needs (default: all of them).
   PYTHONPATH=/tmp/bundle/gguf-only PREFILL_ACCEL_CACHE=/tmp/bundle/cache python3 scripts/e2e/convert_models.py /tmp/hf ${E2E_CONVERT:-}
   wait $install

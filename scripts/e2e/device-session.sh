@@ -30,19 +30,9 @@ wait "$install"
 echo "== install: $(cat /tmp/e2e/install.done 2>/dev/null)"
 cat /tmp/e2e/install.log
 
-# ACCURACY_RUNS: ';'-separated argument lists of the accuracy harness (python -m prefill_accel.accuracy),
-# run on the staged GGUF models with the gguf package of the staged wheels, before the engine phases.
-IFS=';' read -ra accuracy_runs <<< "${ACCURACY_RUNS:-}"
-n=0
-for run_args in "${accuracy_runs[@]}"; do
-  [[ -n "${run_args// }" ]] || continue
-  n=$((n + 1))
-  echo "== accuracy $n: $run_args"
-  # shellcheck disable=SC2086  # the run's arguments are split on purpose
-  PYTHONPATH="/tmp/bundle/gguf-only:$repo/kernels" python3 -m prefill_accel.accuracy --device cuda \
-    --cache-dir /tmp/bundle/cache/models --out "/tmp/e2e/out/accuracy-$n.json" $run_args 2>&1 \
-    | grep -v "Converting\|Loading weights"
-done
+# ACCURACY_RUNS: ';'-separated argument lists of the accuracy harness, run on the staged GGUF models
+# before the engine phases (scripts/e2e/harness-runs.sh).
+bash scripts/e2e/harness-runs.sh
 rm -f /tmp/e2e/out/results-none.json /tmp/e2e/out/report-none.md
 cd "$root"
 bash scripts/e2e/device-run.sh "$@"

