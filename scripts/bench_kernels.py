@@ -323,7 +323,8 @@ def bench_real(path: Path, estimators: list[str], repeats: int, page_size: int) 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default="8192,32768,131072", help="random-input lengths (empty: only the --real files)")
+    parser.add_argument("--lengths", default="8192,32768,131072",
+                        help="random-input lengths; empty for none (then, without --real and --skip-check, the check alone)")
     parser.add_argument("--densities", default="0.02,0.05,0.1,0.25")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
