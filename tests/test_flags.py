@@ -32,5 +32,6 @@ def test_invalid_values_name_the_flag(values, named):
 
 
 def test_changed_flags_lists_only_non_defaults():
-    assert changed_flags({"threshold": 0.005, "min_len": 4096}) == ["--sparse-prefill-min-len"]
+    default = SparsePrefillConfig().threshold
+    assert changed_flags({"threshold": default, "min_len": 4096}) == ["--sparse-prefill-min-len"]
     assert flag("sparse_prefill_mean_correction") == "--sparse-prefill-mean-correction"

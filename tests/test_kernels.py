@@ -207,9 +207,14 @@ def test_kv_read_mode_and_direct_tma_pages(monkeypatch):
     assert not triton_kernels._pages_hold_tiles(heads_apart), "a row of the cache must hold every head side by side"
 
 
-@pytest.mark.parametrize("estimator, head_dim", [("pooled", 64), ("bound", 64), ("mixed", 64), ("mixed", 256)])
-def test_selection_matches_reference_search(estimator, head_dim):
-    batch = make_batch(**MIXED, num_heads=8, num_kv_heads=2, head_dim=head_dim, dtype=torch.float16, device=DEVICE)
+@pytest.mark.parametrize(
+    "estimator, head_dim, heads",
+    # (4, 4): the default stride scores 8 rows of a 64-block per head, fewer than a tile of 16
+    [("pooled", 64, (8, 2)), ("bound", 64, (8, 2)), ("mixed", 64, (8, 2)), ("mixed", 256, (8, 2)), ("mixed", 64, (4, 4))],
+)
+def test_selection_matches_reference_search(estimator, head_dim, heads):
+    batch = make_batch(**MIXED, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim, dtype=torch.float16,
+                       device=DEVICE)  # fmt: skip
     configs = (
         sparse_config(estimator=estimator),
         sparse_config(estimator=estimator, threshold=0.05, query_stride=4, sink_blocks=1, local_blocks=1),
@@ -256,7 +261,7 @@ def test_bound_estimate_finds_a_single_outstanding_key():
     args = (q, k_cache, batch.page_table, batch.cu_seqlens_q, batch.seqlens_k)
     config = sparse_config(threshold=0.5, sink_blocks=0, local_blocks=0)
     bound = select_blocks(*args, config=config.replace(estimator="bound")).to_mask()
-    pooled = select_blocks(*args, config=config).to_mask()
+    pooled = select_blocks(*args, config=config.replace(estimator="pooled")).to_mask()
     assert bound[-1, 0, target // 64], "the bound estimate keeps the outstanding key's block"
     assert not pooled[-1, 0, target // 64] and pooled[-1, 0, 5], "the mean keys rank block 5 first"
 
@@ -425,7 +430,7 @@ def test_bad_inputs_raise_clear_errors():
         (dict(target_mass=-0.1), "target_mass"),
         (dict(sink_blocks=-1), "sink_blocks"),
         (dict(query_stride=3), "query_stride"),
-        (dict(block_size=64, query_stride=8), "fewer than 16"),
+        (dict(block_size=64, query_stride=16), "fewer than 8"),
         (dict(mean_correction=1), "bool"),
         (dict(min_q_len=1.5), "int"),
         (dict(estimator="mean"), "estimator"),

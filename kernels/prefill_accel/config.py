@@ -25,7 +25,7 @@ class SparsePrefillConfig:
 
     block_size: int = 128
     """Positions per query block and per key block (64, 128 or 256)."""
-    threshold: float = 0.005
+    threshold: float = 0.004
     """Max-relative keep threshold in [0, 1]; 0 keeps every causal block."""
     target_mass: float = 0.0
     """With a value in (0, 1], a query block also keeps its highest-estimate key blocks until they
@@ -38,9 +38,9 @@ class SparsePrefillConfig:
     """The last query blocks of each sequence are computed dense (they shape the first output token)."""
     min_q_len: int = 16384
     """Sequences whose query length in this step is below this are computed dense."""
-    query_stride: int = 4
+    query_stride: int = 8
     """The pooled, bound and mixed estimates score every ``query_stride``-th query row of a block (1 scores all rows)."""
-    estimator: str = "pooled"
+    estimator: str = "mixed"
     """How the search estimates a key block's share of a query block's attention: ``"pooled"``
     scores sampled query rows against each key block's mean key; ``"bound"`` against the upper
     bound of their logits over the block's keys, from its elementwise largest and smallest key
@@ -84,9 +84,9 @@ class SparsePrefillConfig:
             raise ValueError(f"SparsePrefillConfig.estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
         if self.exact_rows not in EXACT_ROWS:
             raise ValueError(f"SparsePrefillConfig.exact_rows must be one of {EXACT_ROWS}, got {self.exact_rows}")
-        if self.block_size // self.query_stride < 16:
+        if self.block_size // self.query_stride < 8:
             raise ValueError(
-                f"SparsePrefillConfig.query_stride={self.query_stride} leaves fewer than 16 scored rows per "
+                f"SparsePrefillConfig.query_stride={self.query_stride} leaves fewer than 8 scored rows per "
                 f"block of {self.block_size}; use a smaller stride"
             )
 

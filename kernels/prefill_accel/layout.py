@@ -8,6 +8,7 @@ of its first query block. Query block ``i`` sees key blocks ``0 .. i`` and masks
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -122,17 +123,23 @@ class BatchLayout:
             first = (k_len - q_len) // block
             last = -(-k_len // block)  # one past the last query block
             n = last - first if q_len > 0 else 0
-            seq_dense = config.is_dense or q_len < config.min_q_len
-            for pos in range(first, first + n):
-                seq_ids.append(seq)
-                positions.append(pos)
-                dense.append(1 if seq_dense or pos >= last - config.last_query_blocks else 0)
+            # Whole runs at once, not a block at a time: a 128K prompt has a thousand query blocks.
+            seq_ids += [seq] * n
+            positions += range(first, first + n)
+            dense_tail = n if config.is_dense or q_len < config.min_q_len else min(config.last_query_blocks, n)
+            dense += [0] * (n - dense_tail) + [1] * dense_tail
             starts.append(starts[-1] + n)
-        long_flags = [int(d and p >= LONG_ROW_BLOCKS) for p, d in zip(positions, dense)]
-        long_rows = [i for i, flag in enumerate(long_flags) if flag]
+        long_rows = [i for i in range(len(dense)) if dense[i] and positions[i] >= LONG_ROW_BLOCKS]
+        long_flags = [0] * len(dense)
+        for i in long_rows:
+            long_flags[i] = 1
 
         def as_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return _to_device(torch.tensor(values, dtype=dtype), device)
+            if not values:
+                return torch.empty(0, dtype=dtype, device=device)
+            # Through an array, not torch.tensor(list): a third of the time at a thousand values.
+            typecode = "b" if dtype == torch.int8 else "i"
+            return _to_device(torch.frombuffer(array.array(typecode, values), dtype=dtype), device)
 
         return cls(
             block_size=block,

@@ -1000,7 +1000,8 @@ def select_blocks(
     # Searches with more than 256 operand values per key block run unpipelined, as timed (with fp32
     # operands, the pipelined bound search at head_dim 256 asked for 288 KB of shared memory), and
     # bound searches at head_dim 256 take half the rows.
-    row_chunk = min(64 if with_bounds and head_dim > 128 else 128, triton.next_power_of_2(group * rows))
+    # At least 16 rows: the smallest tile tl.dot multiplies (the padding rows are masked).
+    row_chunk = max(16, min(64 if with_bounds and head_dim > 128 else 128, triton.next_power_of_2(group * rows)))
     options = dict(BLOCK_J=64, num_warps=4)
     if head_dim > 128 or (with_bounds and not with_means):
         options["BLOCK_J"] = 32

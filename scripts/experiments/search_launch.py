@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--old", type=Path, help="an earlier copy of kernels/prefill_accel to time beside this one")
     parser.add_argument("--lengths", default="32768,131072")
     parser.add_argument("--threshold", type=float, default=0.004)
+    parser.add_argument("--estimators", default="pooled,bound,mixed",
+                        help="searches to time; name/N scores every N-th query row (mixed/8)")
     args = parser.parse_args()
     old = load_package(args.old, "prefill_accel_old") if args.old else None
     print("| N | estimator | launch | search ms | pooling ms | vs default |\n|---|---|---|---|---|---|")
@@ -46,8 +48,10 @@ def main() -> None:
         cu = torch.tensor([0, length], dtype=torch.int32, device="cuda")
         seqlens = torch.tensor([length], dtype=torch.int32, device="cuda")
         host = (torch.tensor([0, length]), torch.tensor([length]))
-        for estimator in ("pooled", "bound", "mixed"):
-            config = SparsePrefillConfig(min_q_len=0, estimator=estimator, threshold=args.threshold)
+        for spec in args.estimators.split(","):
+            config = bench_kernels.estimator_config(spec, SparsePrefillConfig.query_stride, min_q_len=0,
+                                                    threshold=args.threshold)  # fmt: skip
+            estimator = config.estimator
             layout = BatchLayout.build(*host, config, q.device)
             search_args = (q, k_cache, table, cu, seqlens, layout, config, 128**-0.5)
             means, bounds = estimator != "bound", estimator != "pooled"
@@ -59,12 +63,13 @@ def main() -> None:
                     run = lambda: triton_kernels.select_blocks(*search_args, launch=launch)  # noqa: B023, E731
                     ms = bench_kernels.cuda_time(run, 7)
                 except Exception as error:  # a tile past the shared memory
-                    print(f"| {length // 1024}K | {estimator} | {launch} | {str(error).splitlines()[0][:80]} | | |")
+                    print(f"| {length // 1024}K | {spec} | {launch} | {str(error).splitlines()[0][:80]} | | |")
                     continue
                 base = base or ms
-                print(f"| {length // 1024}K | {estimator} | {launch or 'default'} | {ms:.2f} | {pool_ms:.2f} | {ms / base:.2f} |", flush=True)
+                print(f"| {length // 1024}K | {spec} | {launch or 'default'} | {ms:.2f} | {pool_ms:.2f} | {ms / base:.2f} |", flush=True)
             if old is not None:
-                old_config = old.SparsePrefillConfig(min_q_len=0, estimator=estimator, threshold=args.threshold)
+                old_config = old.SparsePrefillConfig(min_q_len=0, estimator=estimator, threshold=args.threshold,
+                                                     query_stride=config.query_stride)  # fmt: skip
                 old_layout = old.BatchLayout.build(*host, old_config, q.device)
                 old_args = (q, k_cache, table, cu, seqlens, old_layout, old_config, 128**-0.5)
                 ms = bench_kernels.cuda_time(lambda: old.triton_kernels.select_blocks(*old_args), 7)  # noqa: B023
@@ -72,7 +77,7 @@ def main() -> None:
                 old_index = old.triton_kernels.select_blocks(*old_args)
                 score_diff = (new_index.scores - old_index.scores).abs().max().item()
                 mask_diff = (new_index.to_mask() != old_index.to_mask()).float().mean().item()
-                print(f"| {length // 1024}K | {estimator} | earlier copy | {ms:.2f} | | {ms / base:.2f} "
+                print(f"| {length // 1024}K | {spec} | earlier copy | {ms:.2f} | | {ms / base:.2f} "
                       f"(scores within {score_diff:.1e}, masks differ in {mask_diff:.1e}) |", flush=True)
         torch.cuda.empty_cache()
 

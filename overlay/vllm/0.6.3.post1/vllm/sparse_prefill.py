@@ -33,9 +33,9 @@ HELP = {
     "dense.",
     "query_stride": "The block search scores every n-th query row of a "
     "block.",
-    "estimator": "Block-importance estimate of the search: pooled (sampled "
-    "query rows against each key block's mean key) or exact (the exact "
-    "attention of a few query rows per block).",
+    "estimator": "Block-importance estimate of the search: pooled (mean "
+    "keys), bound (key bounds), mixed (the mean of those two) or exact (the "
+    "exact attention of a few query rows per block).",
     "exact_rows": "Query rows per block of the exact estimator (1, 2, 4 or "
     "8).",
     "mean_correction": "Pruned blocks before the diagonal contribute "
