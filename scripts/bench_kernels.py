@@ -199,10 +199,10 @@ def check_correctness(dtypes, head_dims, page_sizes, log=lambda line: None) -> l
         seqlens = torch.tensor(k_lens, dtype=torch.int32, device="cuda")
         args = (q, k_cache, v_cache, table, cu, seqlens)
         ref_out, ref_lse = reference.dense_paged_attention(*args)
-        cases = ((0.0, 0, "pooled"), (0.05, 0, "pooled"), (0.05, 0, "bound"), (0.05, 0, "mixed/4"), (0.05, 0, "mixed/8"),
-                 (0.05, 0, "exact"), (0.05, 1 << 20, "pooled"))  # fmt: skip
+        cases = ((0.0, 0, "mixed"), (0.05, 0, "pooled/4"), (0.05, 0, "bound/4"), (0.05, 0, "mixed/4"), (0.05, 0, "mixed/8"),
+                 (0.05, 0, "exact"), (0.05, 1 << 20, "mixed"))  # fmt: skip
         for threshold, min_q_len, estimator in cases:
-            config = estimator_config(estimator, 4, threshold=threshold, min_q_len=min_q_len)
+            config = estimator_config(estimator, SparsePrefillConfig.query_stride, threshold=threshold, min_q_len=min_q_len)
             if min_q_len:  # an all-dense batch of fresh prefills: the cuDNN route
                 fresh = slice(0, q_lens[0])
                 args = (q[fresh], k_cache, v_cache, table[:1], cu[:2], seqlens[:1].clone().fill_(q_lens[0]))

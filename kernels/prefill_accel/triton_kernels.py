@@ -194,15 +194,15 @@ def _pool_blocks_kernel(
 @triton.jit
 def _pooled_logits(q_rows, q_negative, keys_seq, low_seq, j, n_causal, k_len, qk_scale, stride_pj, dims,
                    BLOCK: tl.constexpr, BOUND: tl.constexpr):  # fmt: skip
-    """Scaled (log2) logits of ``q_rows`` against the pooled keys ``keys_seq`` of key blocks ``j``,
+    """Scaled (log2) logits of ``q_rows`` against the pooled keys ``keys_seq`` (in q's dtype) of key blocks ``j``,
     plus the log of each block's length; -inf past the causal blocks. With BOUND, ``q_rows`` is the
     rows' positive part and the logits are the bound q+ . max_key + q- . min_key (``low_seq`` the
     minima, ``q_negative`` the rows' negative part)."""
     causal = j[:, None] < n_causal
-    keys = tl.load(keys_seq + j[:, None] * stride_pj + dims[None, :], mask=causal, other=0.0).to(q_rows.dtype)
+    keys = tl.load(keys_seq + j[:, None] * stride_pj + dims[None, :], mask=causal, other=0.0)
     dots = _dot(q_rows, tl.trans(keys))
     if BOUND:
-        low = tl.load(low_seq + j[:, None] * stride_pj + dims[None, :], mask=causal, other=0.0).to(q_rows.dtype)
+        low = tl.load(low_seq + j[:, None] * stride_pj + dims[None, :], mask=causal, other=0.0)
         dots += _dot(q_negative, tl.trans(low))
     block_len = tl.maximum(tl.minimum(k_len - j * BLOCK, BLOCK), 1).to(tl.float32)
     logits = dots * qk_scale + tl.log2(block_len)[None, :]
