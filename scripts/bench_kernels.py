@@ -122,35 +122,51 @@ def pipelined_time(fn, reps: int, calls: int = 8) -> float:
     return cuda_time(lambda: [fn() for _ in range(calls)], reps) / calls
 
 
-def dense_route_breakdown(q, k_cache, v_cache, table, length: int, reps: int) -> dict:
-    """Where the public function's dense route (cuDNN, below min_q_len) spends its time on one
-    fresh sequence: the page gather, cuDNN with the GQA groups native and expanded, the length read,
-    the whole function with a prebuilt layout (no length read), and calls back to back."""
-    group = q.shape[1] // k_cache.shape[2]
-    cudnn = lambda k, v: api.cudnn_causal_attention(q, k, v, q.shape[2] ** -0.5)  # noqa: E731
-    gather = lambda: [reference.gather_kv(c, table, 0, length) for c in (k_cache, v_cache)]  # noqa: E731
+def dense_route_breakdown(q, k_cache, v_cache, table, length: int, reps: int, rounds: int = 3) -> dict:
+    """Where the public function's dense route (cuDNN, below min_q_len) spends its time on one fresh
+    sequence, each part alone from an idle GPU (``*_ms``) and back to back (``pipelined_*``): the page
+    gather, cuDNN on the gathered K/V, the copy into a caller's ``out``, the length read. Then the
+    whole function as an engine calls it (a prebuilt layout, calls back to back, with and without
+    ``out``), with lengths read from the device, and the cuDNN baseline the same way, in ``rounds``
+    interleaved rounds (each figure a list, one per round)."""
+    gather = lambda: triton_kernels.gather_kv(k_cache, v_cache, table, 0, length)  # noqa: E731
     k, v = gather()
-    expand = lambda: [x.repeat_interleave(group, 1) for x in (k, v)]  # noqa: E731
-    row = {"gather_ms": cuda_time(gather, reps), "expand_ms": cuda_time(expand, reps)}
-    row["cudnn_expanded_ms"] = cuda_time(lambda: cudnn(*expand()), reps) - row["expand_ms"]
-    try:
-        row["cudnn_native_gqa_ms"] = cuda_time(lambda: cudnn(k, v), reps)
-    except RuntimeError as error:
-        row["cudnn_native_gqa_ms"], row["native_gqa_error"] = None, str(error).splitlines()[0][:160]
-    lengths = torch.tensor([0, length, length], dtype=torch.int32, device=q.device)
-    row["length_read_ms"] = cuda_time(lambda: lengths.long().cpu(), reps)
-    row["api_uses_native_gqa"] = api._cudnn_gqa
-    cu, seqlens = lengths[:2], lengths[2:]
+    cudnn = lambda: api.cudnn_causal_attention(q, k, v, q.shape[2] ** -0.5)  # noqa: E731
     out = torch.empty_like(q)
+    o, _ = cudnn()
+    lengths = torch.tensor([0, length, length], dtype=torch.int32, device=q.device)
+    row = {"api_uses_native_gqa": api._cudnn_gqa}
+    for name, fn in (("gather", gather), ("cudnn_native_gqa", cudnn), ("copy_out", lambda: out.copy_(o))):
+        row[f"{name}_ms"], row[f"pipelined_{name}_ms"] = cuda_time(fn, reps), pipelined_time(fn, reps)
+    row["length_read_ms"] = cuda_time(lambda: lengths.long().cpu(), reps)
+    cu, seqlens = lengths[:2], lengths[2:]
     layout = BatchLayout.build(torch.tensor([0, length]), torch.tensor([length]), SparsePrefillConfig(), q.device)
-    public = lambda: sparse_prefill_attention(q, k_cache, v_cache, table, cu, seqlens, out=out, layout=layout)  # noqa: E731
-    row["public_layout_ms"] = cuda_time(public, reps)
-    row["pipelined_public_layout_ms"] = pipelined_time(public, reps)
-    reading_lengths = lambda: sparse_prefill_attention(q, k_cache, v_cache, table, cu, seqlens, out=out)  # noqa: E731
-    row["pipelined_public_ms"] = pipelined_time(reading_lengths, reps)
-    baseline = sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION)
-    row["pipelined_cudnn_ms"] = pipelined_time(baseline, reps)
+    calls = {
+        "cudnn": sdpa(q, *(reference.gather_kv(c, table, 0, length) for c in (k_cache, v_cache)), SDPBackend.CUDNN_ATTENTION),
+        "public_layout": lambda: sparse_prefill_attention(q, k_cache, v_cache, table, cu, seqlens, out=out, layout=layout),
+        "public_layout_no_out": lambda: sparse_prefill_attention(q, k_cache, v_cache, table, cu, seqlens, layout=layout),
+        "public": lambda: sparse_prefill_attention(q, k_cache, v_cache, table, cu, seqlens, out=out),
+    }
+    for name in calls:
+        row[f"{name}_rounds_ms"], row[f"pipelined_{name}_rounds_ms"] = [], []
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            row[f"{name}_rounds_ms"].append(cuda_time(fn, reps))
+            row[f"pipelined_{name}_rounds_ms"].append(pipelined_time(fn, reps))
     return row
+
+
+def print_dense_route(row: dict) -> None:
+    route = row["dense_route"]
+    print(f"\nDense route at {row['length'] // 1024}K (cuDNN GQA native: {route['api_uses_native_gqa']}); parts, ms alone / back to back: "
+          + ", ".join(f"{name} {route[name + '_ms']:.3f} / {route['pipelined_' + name + '_ms']:.3f}"
+                      for name in ("gather", "cudnn_native_gqa", "copy_out")) + f", length read {route['length_read_ms']:.3f}")  # fmt: skip
+    print("| call | one call, ms (rounds) | back to back, ms per call (rounds) | median back to back |\n|---|---|---|---|")
+    for name, label in (("cudnn", "cuDNN on contiguous tensors (baseline)"), ("public_layout", "public, prebuilt layout, out given"),
+                        ("public_layout_no_out", "public, prebuilt layout, no out"), ("public", "public, lengths read, out given")):  # fmt: skip
+        alone, piped = route[f"{name}_rounds_ms"], route[f"pipelined_{name}_rounds_ms"]
+        print(f"| {label} | {' / '.join(f'{t:.3f}' for t in alone)} | {' / '.join(f'{t:.3f}' for t in piped)} "
+              f"| {statistics.median(piped):.3f} |")
 
 
 def threshold_for_density(args, target: float, base: SparsePrefillConfig) -> tuple[float, float]:
@@ -388,9 +404,7 @@ def main() -> int:
               f"| {r['cudnn_ms']:.2f} | {r['total_ms']:.2f} | {r['select_ms']:.2f} | {100 * r['density']:.1f}% | {r['rel_err']:.1e} |")  # fmt: skip
     for row in results:
         if "dense_route" in row:
-            print(f"\nDense route at {row['length'] // 1024}K: public function {row['public_default_ms']:.2f} ms, cuDNN "
-                  f"{row['cudnn_ms']:.2f} ms; parts: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                                               for k, v in row["dense_route"].items()))  # fmt: skip
+            print_dense_route(row)
     for row in results:
         if "tiles" in row:
             print(f"\nDense-mode tiles at {row['length'] // 1024}K (autotuned: {row['autotuned_tile']}); cuDNN {row['cudnn_ms']:.2f} ms")

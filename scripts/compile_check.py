@@ -94,8 +94,9 @@ def variant(kernel: JITFunction, args: dict, options: dict) -> tuple:
 
 def run_host_functions() -> None:
     """Every path of the kernels' host functions on small inputs, at head_dim 64, 128 and 256: each
-    estimator; dense and sparse attention (with mean correction and split-KV) with pointer reads and
-    TMA reads from a staged copy (pages of 16), and TMA reads in place (pages of 64)."""
+    estimator; the dense route's page gather; dense and sparse attention (with mean correction and
+    split-KV) with pointer reads and TMA reads from a staged copy (pages of 16), and TMA reads in place
+    (pages of 64)."""
     for head_dim in (64, 128, 256):
         for page_size, modes in ((16, ("pointer", "tma")), (64, ("tma",))):
             length = 36 * 128  # its last query block is a long row (layout.LONG_ROW_BLOCKS): split-KV runs
@@ -109,6 +110,7 @@ def run_host_functions() -> None:
                 index = triton_kernels.select_blocks(q, k_cache, table, cu, seqlens, layout, config, head_dim**-0.5)
             index.counts.fill_(1)  # nothing ran: give the host code an index it can read
             index.indices.zero_()
+            triton_kernels.gather_kv(k_cache, k_cache, table, 0, length)  # the dense route's gather
             for reads in modes:
                 args = (q, k_cache, k_cache, table, cu, seqlens, layout)
                 triton_kernels.block_sparse_attention(*args, None, 0.1, False, None, kv_reads=reads)

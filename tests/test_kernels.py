@@ -180,6 +180,20 @@ def test_staged_copy_holds_each_key_block():
             assert torch.equal(staged[page], want)
 
 
+@pytest.mark.parametrize("page_size, head_dim", [(1, 64), (16, 128), (16, 256)])
+def test_gathered_keys_and_values_of_a_sequence(page_size, head_dim):
+    """The dense route's gather: one sequence's K and V out of shuffled pages, rows past a tile's end
+    (the lengths are no multiple of it) left alone, storage laid out heads first."""
+    batch = make_batch(q_lens=[5, 40], k_lens=[77, 200], head_dim=head_dim, page_size=page_size, device=DEVICE)
+    for seq, k_len in enumerate(batch.seqlens_k.tolist()):
+        keys, values = triton_kernels.gather_kv(batch.k_cache, batch.v_cache, batch.page_table, seq, k_len)
+        assert torch.equal(keys, reference.gather_kv(batch.k_cache, batch.page_table, seq, k_len))
+        assert torch.equal(values, reference.gather_kv(batch.v_cache, batch.page_table, seq, k_len))
+        assert keys.transpose(0, 1).is_contiguous() and values.transpose(0, 1).is_contiguous()
+    empty_k, _ = triton_kernels.gather_kv(batch.k_cache, batch.v_cache, batch.page_table, 0, 0)
+    assert empty_k.shape == (0, batch.k_cache.shape[2], head_dim)
+
+
 def test_kv_read_mode_and_direct_tma_pages(monkeypatch):
     narrow = make_batch([64], [64], head_dim=64, device=DEVICE)
     wide = make_batch([64], [64], head_dim=128, page_size=64, device=DEVICE)

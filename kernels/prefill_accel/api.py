@@ -149,23 +149,26 @@ def _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, q_lens, scale, out)
     kernel on Hopper, so the public function is never much slower than dense attention below
     ``min_q_len`` (cuDNN's causal mask is top-left aligned, hence fresh sequences only).
 
-    Each sequence's K/V pages are gathered once; cuDNN takes the GQA groups natively where it can
-    (else the KV heads are expanded, decided once). Returns (out, lse), or None when cuDNN refuses.
+    Each sequence's K/V pages are gathered once, in one launch; cuDNN takes the GQA groups natively
+    where it can (else the KV heads are expanded, decided once). Returns (out, lse), or None when
+    cuDNN refuses.
     """
     global _cudnn_refused, _cudnn_gqa
+    from .triton_kernels import gather_kv
+
     group = q.shape[1] // k_cache.shape[2]
-    if len(q_lens) == 1 and out is None:
+    single = len(q_lens) == 1
+    if single and out is None:
         result_out = None  # cuDNN lays its output out like q: a single sequence needs no copy
     else:
         result_out = torch.empty_like(q) if out is None else out
-    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    lse = None if single else torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     start = 0
     try:
         for seq, length in enumerate(q_lens):
             if length:
                 rows = slice(start, start + length)
-                k = reference.gather_kv(k_cache, page_table, seq, length)
-                v = reference.gather_kv(v_cache, page_table, seq, length)
+                k, v = gather_kv(k_cache, v_cache, page_table, seq, length)
                 o = seq_lse = None
                 if _cudnn_gqa is not False and group > 1:
                     try:
@@ -182,8 +185,11 @@ def _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, q_lens, scale, out)
                 if result_out is None:
                     result_out = o.contiguous()  # already so when cuDNN lays it out like q
                 else:
-                    result_out[rows] = o
-                lse[:, rows] = seq_lse[:, :length]
+                    result_out.narrow(0, start, length).copy_(o)  # cheaper on the host than item assignment
+                if single:
+                    lse = seq_lse[:, :length].contiguous()  # a view, unless cuDNN padded its rows
+                else:
+                    lse[:, rows] = seq_lse[:, :length]
             start += length
     except (RuntimeError, AttributeError) as error:
         _cudnn_refused = True
@@ -196,6 +202,8 @@ def _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, q_lens, scale, out)
         return None
     if result_out is None:  # a single sequence of length 0
         result_out = torch.empty_like(q)
+    if lse is None:
+        lse = torch.empty(q.shape[1], 0, dtype=torch.float32, device=q.device)
     return result_out, lse
 
 

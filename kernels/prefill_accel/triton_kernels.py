@@ -946,6 +946,42 @@ def stage_kv(k_cache, v_cache, page_table, seqlens_k, layout: BatchLayout, kv_he
     return k_staged, v_staged
 
 
+@triton.jit
+def _gather_kernel(
+    k_cache, v_cache, page_table_row, k_out, v_out, length, stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh, stride_oh, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """Copy positions [ROWS * program_id(0), + ROWS) of one sequence's keys and values of KV head
+    ``program_id(1)`` out of the pages into row-major (heads, length, HEAD_DIM) tensors."""
+    head = tl.program_id(1)
+    pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    valid = pos < length
+    page, slot = _kv_slots(page_table_row, pos, PAGE_SIZE, valid)
+    dims = tl.arange(0, HEAD_DIM)
+    gathered = (head.to(tl.int64) * stride_oh + pos.to(tl.int64) * HEAD_DIM)[:, None] + dims[None, :]
+    keys = tl.load(k_cache + (page * stride_kp + slot * stride_ks + head * stride_kh)[:, None] + dims[None, :], mask=valid[:, None])
+    tl.store(k_out + gathered, keys, mask=valid[:, None])
+    values = tl.load(v_cache + (page * stride_vp + slot * stride_vs + head * stride_vh)[:, None] + dims[None, :], mask=valid[:, None])
+    tl.store(v_out + gathered, values, mask=valid[:, None])
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq: int, length: int):
+    """The first ``length`` keys and values of sequence ``seq``, one launch for both: each a (length,
+    num_kv_heads, head_dim) view of row-major (num_kv_heads, length, head_dim) storage, the layout
+    cuDNN attention reads at least as fast as any other (H200, scripts/experiments/dense_route_8k.py)."""
+    num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_out = torch.empty(num_kv, length, head_dim, dtype=k_cache.dtype, device=k_cache.device)
+    v_out = torch.empty_like(k_out)
+    rows = 8192 // head_dim  # a 16 KB tile at 16 bits
+    if length:
+        _gather_kernel[(triton.cdiv(length, rows), num_kv)](
+            k_cache, v_cache, page_table[seq], k_out, v_out, length, k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_out.stride(0),
+            PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, ROWS=rows,
+        )  # fmt: skip
+    return k_out.transpose(0, 1), v_out.transpose(0, 1)
+
+
 def pool_blocks(cache: torch.Tensor, page_table: torch.Tensor, seqlens_k: torch.Tensor, layout: BatchLayout,
                 means: bool = True, extremes: bool = False, dtype: torch.dtype = torch.float32):  # fmt: skip
     """(means, maxima, minima) of every key (or value) block, each (batch, max_k_blocks, num_kv_heads,
