@@ -182,8 +182,8 @@ def test_staged_copy_holds_each_key_block():
 
 @pytest.mark.parametrize("page_size, head_dim", [(1, 64), (16, 128), (16, 256)])
 def test_gathered_keys_and_values_of_a_sequence(page_size, head_dim):
-    """The dense route's gather: one sequence's K and V out of shuffled pages, rows past a tile's end
-    (the lengths are no multiple of it) left alone, storage laid out heads first."""
+    """The dense route's gather: one sequence's K and V out of shuffled pages, at lengths that are no
+    multiple of the gather's tile, into storage laid out heads first."""
     batch = make_batch(q_lens=[5, 40], k_lens=[77, 200], head_dim=head_dim, page_size=page_size, device=DEVICE)
     for seq, k_len in enumerate(batch.seqlens_k.tolist()):
         keys, values = triton_kernels.gather_kv(batch.k_cache, batch.v_cache, batch.page_table, seq, k_len)

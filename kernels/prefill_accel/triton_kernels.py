@@ -952,7 +952,9 @@ def _gather_kernel(
     stride_vp, stride_vs, stride_vh, stride_oh, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """Copy positions [ROWS * program_id(0), + ROWS) of one sequence's keys and values of KV head
-    ``program_id(1)`` out of the pages into row-major (heads, length, HEAD_DIM) tensors."""
+    ``program_id(1)`` out of the pages into row-major (heads, length, HEAD_DIM) tensors. Loads its own
+    tiles rather than through _kv_tile: masked rows need no fill value here, and the gather at 8K ran
+    0.032 against 0.036 ms without it (H200, 2026-12-01)."""
     head = tl.program_id(1)
     pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     valid = pos < length
