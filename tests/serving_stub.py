@@ -30,7 +30,9 @@ def answer(prompt: str, count: int) -> str:
 @dataclass
 class Failure:
     action: str
-    """"500", "503", "429" (that HTTP status), "drop" (close the connection after two tokens)."""
+    """"500", "503", "429" (that HTTP status), "drop" (close the connection after two tokens), "abort" (end the
+    stream after two tokens with finish_reason "abort", as vLLM does for a request it dropped), "bad-utf8" (an
+    event that is not UTF-8 after two tokens), "choices-object" (an event whose choices are an object)."""
     when: str | None
     """Only prompts containing this text (None: any prompt)."""
     times: int
@@ -142,13 +144,19 @@ class Handler(BaseHTTPRequestHandler):
                 self.connection.shutdown(2)
                 self.close_connection = True
                 return
-            last = i == len(pieces) - 1
-            choice = {"index": 0, "finish_reason": "length" if last else None}
+            if action == "bad-utf8" and i == 2:
+                self.event(b'{"choices": [{"index": 0, "text": "\xff\xfe"}]}')
+            if action == "choices-object" and i == 2:
+                self.event({**base, "choices": {"index": 0, "text": piece}})
+            last = i == len(pieces) - 1 or (action == "abort" and i == 2)
+            choice = {"index": 0, "finish_reason": ("abort" if action == "abort" else "length") if last else None}
             if chat:
                 choice["delta"] = {"content": piece}
             else:
                 choice["text"] = piece
             self.event({**base, "object": "chat.completion.chunk" if chat else "text_completion", "choices": [choice]})
+            if last:
+                break
         if state.honour_usage and (body.get("stream_options") or {}).get("include_usage"):
             self.event({**base, "choices": [], "usage": {"prompt_tokens": tokens, "completion_tokens": len(pieces),
                                                            "total_tokens": tokens + len(pieces)}})

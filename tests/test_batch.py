@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import prefill_accel
+import pytest
 from prefill_accel.cli import main
 from prefill_accel.serving.batch import DEFAULT_TEMPLATE, Batch, BatchConfig
 from prefill_accel.tooling.progress import Progress
@@ -160,3 +161,66 @@ def test_batch_reports_an_unreadable_document(tmp_path, capsys):
         assert batch(tmp_path / "in", tmp_path / "out", stub.url) == 1
     assert "failed broken.txt: cannot read" in capsys.readouterr().out
     assert (tmp_path / "out" / "doc0.md").exists() and (tmp_path / "out" / "doc1.md").exists()
+
+
+def test_batch_never_saves_an_answer_the_server_aborted(tmp_path, capsys):
+    texts = documents(tmp_path / "in", 2)
+    out = tmp_path / "out"
+    with StubServer() as stub:
+        stub.fail("abort", when="Document number 0.", times=2)
+        assert batch(tmp_path / "in", out, stub.url, "--backoff", "0") == 1
+        report = capsys.readouterr().out
+        assert "failed doc0.txt:" in report and "finish_reason 'abort' after 3 text chunk(s)" in report
+        lines = {line["file"]: line for line in log_lines(out / "batch-log.jsonl")}
+        assert (lines["doc0.txt"]["status"], lines["doc0.txt"]["attempts"]) == ("failed", 2)  # retried once
+        assert not (out / "doc0.md").exists() and not list(out.glob(".*.partial"))
+        # A rerun does not skip it: the document is asked again and written whole.
+        assert batch(tmp_path / "in", out, stub.url) == 0
+        assert "1 written, 1 skipped" in capsys.readouterr().out
+    assert (out / "doc0.md").read_text() == expected("doc0", texts["doc0"], 5)
+
+
+def test_batch_logs_a_malformed_stream_and_goes_on(tmp_path, capsys):
+    documents(tmp_path / "in", 3)
+    out = tmp_path / "out"
+    with StubServer() as stub:
+        stub.fail("bad-utf8", when="Document number 0.")
+        stub.fail("choices-object", when="Document number 1.")
+        assert batch(tmp_path / "in", out, stub.url, "--retries", "0") == 1
+    report = capsys.readouterr().out
+    assert "3 document(s): 1 written, 0 skipped (finished before), 2 failed" in report
+    assert "failed doc0.txt:" in report and "not UTF-8" in report
+    assert "failed doc1.txt:" in report and "choices are not a list" in report
+    lines = {line["file"]: line["status"] for line in log_lines(out / "batch-log.jsonl")}
+    assert lines == {"doc0.txt": "failed", "doc1.txt": "failed", "doc2.txt": "ok"}
+    assert sorted(p.name for p in out.glob("*.md")) == ["doc2.md"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_batch_stops_at_once_when_interrupted_and_still_logs_and_summarises(tmp_path, sig):
+    documents(tmp_path / "in", 6)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(prefill_accel.__file__).parents[1])}
+    with StubServer(ttft_base=30.0) as stub:  # every answer would take 30 s
+        command = [sys.executable, "-m", "prefill_accel.cli", "batch", "-q", str(tmp_path / "in"), str(out), "--url",
+                   stub.url, "--model", MODEL, "--concurrency", "2"]  # fmt: skip
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while len(stub.state.log) < 2:
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.01)
+        sent = time.monotonic()
+        os.killpg(process.pid, sig)  # as a terminal's Ctrl-C reaches the whole process group
+        stdout, stderr = process.communicate(timeout=20)
+        stopped_in = time.monotonic() - sent
+        requests = len(stub.state.log)
+    assert process.returncode == 130, stderr
+    assert stopped_in < 10  # not after the 30 s answers, nor after the four documents still queued
+    assert requests == 2
+    assert "6 document(s): 0 written, 0 skipped (finished before), 0 failed, 6 not finished (interrupted)" in stdout
+    assert "Rerun the same command" in stdout
+    lines = log_lines(out / "batch-log.jsonl")
+    assert sorted(line["file"] for line in lines) == [f"doc{i}.txt" for i in range(6)]
+    assert {line["status"] for line in lines} == {"interrupted"}
+    assert not list(out.glob("*.md")) and not list(out.glob(".*.partial"))

@@ -435,6 +435,56 @@ def test_bad_inputs_raise_clear_errors():
         sparse_prefill_attention(q, k, v, table, cu, lens, softmax_scale=-0.125)
 
 
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 64), (torch.float32, 64), (torch.float16, 96)])
+def test_a_query_longer_than_its_sequence_is_refused_on_every_path(dtype, head_dim):
+    """The dense fallback (float32, head_dim 96) checks lengths as the kernels' path does: no zero rows."""
+    batch = make_batch([64, 32], [64, 96], head_dim=head_dim, dtype=dtype, device=DEVICE)
+    q, k, v, table, cu, lens = batch.args
+    short = torch.tensor([64, 31], dtype=torch.int32, device=lens.device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(ValueError, match="sequence 1: query length 32 exceeds seqlens_k=31"):
+            sparse_prefill_attention(q, k, v, table, cu, short, config=sparse_config())
+        with pytest.raises(ValueError, match="sequence 1: query length 32 exceeds seqlens_k=31"):
+            select_blocks(q, k, table, cu, short, sparse_config())
+
+
+@pytest.mark.parametrize("bad", [-1, "num_pages", 1 << 30])
+@pytest.mark.parametrize("with_layout", [False, True])
+def test_a_page_id_outside_the_cache_is_an_error_not_a_crash_or_nan(bad, with_layout):
+    from prefill_accel import BatchLayout
+
+    batch = make_batch([64, 40], [100, 40], device=DEVICE)
+    q, k, v, table, cu, lens = batch.args
+    config = sparse_config()
+    broken = table.clone()
+    broken[0, 5] = k.shape[0] if bad == "num_pages" else bad  # sequence 0 uses 7 pages of 16 rows
+    layout = BatchLayout.build(cu.cpu(), lens.cpu(), config, q.device) if with_layout else None
+    with pytest.raises(ValueError, match=r"page_table\[0, 5\] = .* is no page of the KV cache"):
+        sparse_prefill_attention(q, k, v, broken, cu, lens, config=config, layout=layout)
+    with pytest.raises(ValueError, match="no page of the KV cache"):
+        select_blocks(q, k, broken, cu, lens, config)
+    index = select_blocks(*batch.search_args, config)
+    with pytest.raises(ValueError, match="no page of the KV cache"):
+        block_sparse_attention(q, k, v, broken, cu, lens, index)
+    # Entries past what a sequence uses may hold anything (make_batch puts junk there).
+    assert (table[1, 3:] >= k.shape[0]).all()
+    out, _ = sparse_prefill_attention(*batch.args, config=config, layout=layout)
+    assert torch.isfinite(out).all()
+
+
+def test_integer_tensors_and_an_infinite_scale_are_refused():
+    batch = make_batch([64], [64], device=DEVICE)
+    q, k, v, table, cu, lens = batch.args
+    with pytest.raises(TypeError, match="q must be a floating-point tensor"):
+        sparse_prefill_attention(q.to(torch.int8), k, v, table, cu, lens)
+    with pytest.raises(TypeError, match="k_cache must be a floating-point tensor"):
+        sparse_prefill_attention(q, k.to(torch.int8), v.to(torch.int8), table, cu, lens)
+    for scale in (float("inf"), float("nan"), 0.0):
+        with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
+            sparse_prefill_attention(q, k, v, table, cu, lens, softmax_scale=scale)
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [

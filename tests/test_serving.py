@@ -16,6 +16,7 @@ from prefill_accel.serving.commands import parse_lengths
 from prefill_accel.serving.errors import (
     ContextTooLong,
     ModelNotServed,
+    ServerError,
     ServerUnreachable,
     TransientServerError,
     UsageError,
@@ -92,6 +93,34 @@ def test_stream_without_usage_counts_chunks_and_sends_the_key():
     assert done.output_tokens == 4
     with pytest.raises(UsageError, match="not an http"):
         client.Server("127.0.0.1:8000")
+    with pytest.raises(UsageError, match="no valid port"):
+        client.Server("http://127.0.0.1:notaport")
+
+
+def test_a_bad_port_is_a_usage_error_on_the_command_line(tmp_path, capsys):
+    assert bench(tmp_path, "--url", "http://127.0.0.1:notaport") == 2
+    assert "has no valid port" in capsys.readouterr().err
+
+
+def test_a_stream_must_end_as_a_complete_answer():
+    with StubServer() as stub:
+        server = client.Server(stub.url)
+        stub.fail("abort")
+        with pytest.raises(TransientServerError, match="finish_reason 'abort' after 3 text chunk"):
+            client.stream_completion(server, "completions", MODEL, "hello", 8)
+        stub.fail("bad-utf8")
+        with pytest.raises(ServerError, match="not UTF-8"):
+            client.stream_completion(server, "completions", MODEL, "hello", 8)
+        stub.fail("choices-object")
+        with pytest.raises(ServerError, match="choices are not a list"):
+            client.stream_completion(server, "chat", MODEL, "hello", 8)
+        assert client.stream_completion(server, "chat", MODEL, "hello", 8).finish_reason == "length"
+    for reason in ("content_filter", "something-else"):
+        with pytest.raises(ServerError, match=f"finish_reason '{reason}'") as failure:
+            client.check_finish(reason, "here", 3)
+        assert not isinstance(failure.value, TransientServerError)
+    with pytest.raises(TransientServerError, match="finish_reason None"):
+        client.check_finish(None, "here", 3)
 
 
 def test_errors_are_classified():
@@ -242,6 +271,37 @@ def test_bench_stops_at_a_refused_length_and_keeps_what_ran(tmp_path, capsys):
     assert list(result["servers"]["accelerated"]["lengths"]) == ["512"]
     assert "maximum context length is 1500" in result["error"]
     assert "Stopped:" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_bench_sends_each_key_only_to_its_own_server(tmp_path):
+    with StubServer() as base, StubServer() as acc:
+        args = ("--url", acc.url, "--baseline-url", base.url, "--lengths", "256", "--repeats", "1", "--max-tokens", "2",
+                "--no-plots")  # fmt: skip
+        assert bench(tmp_path, *args, "--api-key", "secret-a") == 0
+        assert {e["authorization"] for e in acc.state.log} == {"Bearer secret-a"}
+        assert {e["authorization"] for e in base.state.log} == {None}
+        acc.state.log.clear()
+        base.state.log.clear()
+        assert bench(tmp_path, *args, "--api-key", "secret-a", "--baseline-api-key", "secret-b") == 0
+        assert {e["authorization"] for e in acc.state.log} == {"Bearer secret-a"}
+        assert {e["authorization"] for e in base.state.log} == {"Bearer secret-b"}
+    text = (tmp_path / "out" / "results.json").read_text()
+    assert "secret-a" not in text and "secret-b" not in text
+
+
+def test_bench_counts_an_aborted_answer_as_a_failure(tmp_path):
+    with StubServer() as stub:
+        stub.fail("abort", when="accelerated 512 0 ")
+        code = bench(tmp_path, "--url", stub.url, "--lengths", "512", "--repeats", "2", "--max-tokens", "4")
+    assert code == 1
+    row = json.loads((tmp_path / "out" / "results.json").read_text())["servers"]["accelerated"]["lengths"]["512"]
+    assert len(row["ttft_s"]["samples"]) == 1 and "finish_reason 'abort'" in row["failures"][0]
+
+
+def test_quiet_goes_before_or_after_the_command(capsys):
+    assert main(["-q", "targets"]) == 0
+    assert main(["targets", "-q"]) == 0
+    assert "vllm-0.26.0" in capsys.readouterr().out
 
 
 def test_bench_counts_failed_requests(tmp_path):

@@ -35,6 +35,9 @@ def _check_inputs(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out)
             "k_cache and v_cache must both be (num_pages, page_size, num_kv_heads, head_dim), "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor (fp16/bf16 for the kernels), got {t.dtype}")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
@@ -67,18 +70,60 @@ def _check_pages(longest: int, page_size: int, page_table: torch.Tensor) -> None
         )
 
 
-def _host_lengths(cu_seqlens_q, seqlens_k, page_table, page_size: int, total_q: int):
-    """The two length tensors on the host (one read from the device for both), checked."""
-    if cu_seqlens_q.device == seqlens_k.device:
-        both = torch.cat((cu_seqlens_q.long(), seqlens_k.long())).cpu()
-        cu_host, k_host = both[: cu_seqlens_q.shape[0]], both[cu_seqlens_q.shape[0] :]
+def _host_lengths(cu_seqlens_q, seqlens_k, page_table, num_pages: int, page_size: int, total_q: int):
+    """The two length tensors on the host, checked, with the page ids checked in the same read from the device."""
+    faults = _page_id_faults(page_table, seqlens_k, num_pages, page_size)
+    if cu_seqlens_q.device == seqlens_k.device == faults.device:
+        both = torch.cat((cu_seqlens_q.long(), seqlens_k.long(), faults)).cpu()
+        cu_host, k_host, fault_count = both[: cu_seqlens_q.shape[0]], both[cu_seqlens_q.shape[0] : -1], both[-1]
     else:
-        cu_host, k_host = cu_seqlens_q.cpu(), seqlens_k.cpu()
+        cu_host, k_host, fault_count = cu_seqlens_q.cpu(), seqlens_k.cpu(), faults.cpu()[0]
     cu_q = cu_host.tolist()
     if cu_q[0] != 0 or cu_q[-1] != total_q or any(b < a for a, b in zip(cu_q, cu_q[1:])):
         raise ValueError(f"cu_seqlens_q must rise from 0 to total_q={total_q}, got {cu_q}")
+    for seq, (q_len, k_len) in enumerate(zip(torch.diff(cu_host).tolist(), k_host.tolist())):
+        if q_len > k_len:
+            raise ValueError(
+                f"sequence {seq}: query length {q_len} exceeds seqlens_k={k_len} "
+                "(queries are the last q_len positions of the sequence)"
+            )
     _check_pages(int(k_host.max()) if k_host.numel() else 0, page_size, page_table)
+    if fault_count:
+        _raise_page_id_fault(page_table, seqlens_k, num_pages, page_size)
     return cu_host, k_host
+
+
+def _outside_pages(page_table, seqlens_k, num_pages: int, page_size: int):
+    """(batch, max_pages) bool mask of the entries a sequence uses (the first ceil(seqlens_k / page_size)
+    of its row) that are no page of the cache, outside [0, num_pages), and the pages each sequence uses."""
+    pages_used = (seqlens_k.to(page_table.device).long() + page_size - 1) // page_size
+    used = torch.arange(page_table.shape[1], device=page_table.device) < pages_used[:, None]
+    return ((page_table < 0) | (page_table >= num_pages)) & used, pages_used
+
+
+def _page_id_faults(page_table, seqlens_k, num_pages: int, page_size: int) -> torch.Tensor:
+    """(1,) int64 on the page table's device: how many used entries are no page of the cache. Queued, not read."""
+    return _outside_pages(page_table, seqlens_k, num_pages, page_size)[0].sum().view(1)
+
+
+def _raise_page_id_fault(page_table, seqlens_k, num_pages: int, page_size: int):
+    outside, pages_used = _outside_pages(page_table, seqlens_k, num_pages, page_size)
+    seq, column = outside.nonzero()[0].tolist()
+    raise ValueError(
+        f"page_table[{seq}, {column}] = {int(page_table[seq, column])} is no page of the KV cache "
+        f"(it has {num_pages} pages); sequence {seq} uses the first {int(pages_used[seq])} entries of its row"
+    )
+
+
+def _check_page_ids(layout: BatchLayout, page_table, seqlens_k, num_pages: int, page_size: int) -> None:
+    """The page-id check for a caller's layout: once per layout and page table (every layer of a step
+    passes the same ones), at the cost of one read from the device."""
+    key = (page_table.data_ptr(), tuple(page_table.shape), num_pages, page_size)
+    if key in layout.checked_page_tables:
+        return
+    if int(_page_id_faults(page_table, seqlens_k, num_pages, page_size).item()):
+        _raise_page_id_fault(page_table, seqlens_k, num_pages, page_size)
+    layout.checked_page_tables.add(key)
 
 
 def _unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
@@ -99,7 +144,7 @@ def _prepare(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out, conf
     _check_inputs(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, out)
     if not isinstance(config, SparsePrefillConfig):
         raise TypeError(f"config must be a SparsePrefillConfig, got {type(config).__name__}")
-    return _host_lengths(cu_seqlens_q, seqlens_k, page_table, k_cache.shape[1], q.shape[0])
+    return _host_lengths(cu_seqlens_q, seqlens_k, page_table, k_cache.shape[0], k_cache.shape[1], q.shape[0])
 
 
 def _check_layout(layout: BatchLayout, q, k_cache, page_table, seqlens_k, config: SparsePrefillConfig) -> None:
@@ -116,13 +161,14 @@ def _check_layout(layout: BatchLayout, q, k_cache, page_table, seqlens_k, config
     if layout.qblock_pos.device != q.device:
         raise ValueError(f"layout tensors are on {layout.qblock_pos.device}, q on {q.device}")
     _check_pages(max(layout.k_lens, default=0), k_cache.shape[1], page_table)
+    _check_page_ids(layout, page_table, seqlens_k, k_cache.shape[0], k_cache.shape[1])
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(q.shape[2])
-    if not softmax_scale > 0:  # the kernels take the row maximum of unscaled scores
-        raise ValueError(f"softmax_scale must be a positive number, got {softmax_scale!r}")
+    if not 0 < softmax_scale < math.inf:  # the kernels take the row maximum of unscaled scores
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
     return float(softmax_scale)
 
 
@@ -339,6 +385,7 @@ def block_sparse_attention(
     layout = index.layout
     if layout.q_lens != tuple(torch.diff(cu_seqlens_q).tolist()) or layout.k_lens != tuple(seqlens_k.tolist()):
         raise ValueError("index was built for another batch layout (sequence lengths differ)")
+    _check_page_ids(layout, page_table, seqlens_k, k_cache.shape[0], k_cache.shape[1])
     if index.num_kv_heads != k_cache.shape[2]:
         raise ValueError(f"index has {index.num_kv_heads} KV heads, the cache {k_cache.shape[2]}")
     scale = _scale(q, softmax_scale)

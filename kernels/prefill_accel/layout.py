@@ -9,7 +9,7 @@ of its first query block. Query block ``i`` sees key blocks ``0 .. i`` and masks
 from __future__ import annotations
 
 import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -61,6 +61,8 @@ class BatchLayout:
     """(total_q_blocks,) int8: 1 on the query blocks of `long_rows` (built here, once per step)."""
     long_row_blocks: int
     """The most key blocks before the diagonal among `long_rows` (0 when there are none)."""
+    checked_page_tables: set = field(default_factory=set, compare=False, repr=False)
+    """Page tables whose ids were found inside the cache for this layout (the public functions check once)."""
 
     @property
     def batch(self) -> int:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..tooling.progress import Progress
-from .client import APIS, Server, check_model, stream_completion
-from .errors import ServerError, TransientServerError, UsageError
+from .client import APIS, Cancel, Server, check_model, stream_completion
+from .errors import Cancelled, ServerError, TransientServerError, UsageError
 
 DEFAULT_TEMPLATE = (
     "Summarize the document below in Markdown: a one-line title, then its main points as a bulleted list.\n\n"
@@ -75,30 +75,36 @@ class BatchSummary:
     written: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
+    stopped: list[str] = field(default_factory=list)
+    """Documents in flight or not yet started when the run was interrupted."""
+    interrupted: bool = False
 
     @property
     def ok(self) -> bool:
-        return not self.failed
+        return not self.failed and not self.interrupted
 
     def render(self, config: BatchConfig) -> str:
-        total = len(self.written) + len(self.skipped) + len(self.failed)
+        total = len(self.written) + len(self.skipped) + len(self.failed) + len(self.stopped)
         lines = [f"batch: {total} document(s): {len(self.written)} written, {len(self.skipped)} skipped "
-                 f"(finished before), {len(self.failed)} failed; log {config.log}"]  # fmt: skip
+                 f"(finished before), {len(self.failed)} failed"
+                 + (f", {len(self.stopped)} not finished (interrupted)" if self.interrupted else "")
+                 + f"; log {config.log}"]  # fmt: skip
         lines += [f"  failed {name}: {error}" for name, error in sorted(self.failed.items())]
-        if self.failed:
-            lines.append("Rerun the same command to retry the failed documents; finished ones are skipped.")
+        if self.failed or self.interrupted:
+            lines.append("Rerun the same command to run the documents not written; finished ones are skipped.")
         return "\n".join(lines)
 
 
 class Batch:
-    def __init__(self, config: BatchConfig, progress: Progress, sleep=time.sleep):
+    def __init__(self, config: BatchConfig, progress: Progress, sleep=None):
         self.config = config
         self.progress = progress
-        self.sleep = sleep
         self.server = Server(config.url, config.api_key, config.timeout)
         self.template = config.prompt_template()
         self.lock = threading.Lock()
         self.summary = BatchSummary()
+        self.cancel = Cancel()
+        self.sleep = sleep or self.cancel.wait  # a backoff ends at once when the run is interrupted
 
     def output(self, document: Path) -> Path:
         return self.config.output_dir / f"{document.stem}.md"
@@ -117,7 +123,7 @@ class Batch:
         try:
             with open(partial, "w", encoding="utf-8") as out:
                 done = stream_completion(self.server, self.config.api, self.config.model, prompt,
-                                         self.config.max_tokens, on_text=out.write)  # fmt: skip
+                                         self.config.max_tokens, on_text=out.write, cancel=self.cancel)  # fmt: skip
                 if not done.text.endswith("\n"):
                     out.write("\n")
                 out.flush()
@@ -141,9 +147,13 @@ class Batch:
         prompt = self.template.replace("{name}", document.stem).replace("{document}", text)
         attempt = 0
         while True:
+            if self.cancel.cancelled:
+                return self.finish(record, "interrupted", attempt, start, "the run was interrupted")
             attempt += 1
             try:
                 done = self.attempt(document, prompt)
+            except Cancelled:
+                return self.finish(record, "interrupted", attempt, start, "the run was interrupted")
             except TransientServerError as error:
                 if attempt > self.config.retries:
                     return self.finish(record, "failed", attempt, start, str(error))
@@ -152,6 +162,8 @@ class Batch:
                 continue
             except ServerError as error:
                 return self.finish(record, "failed", attempt, start, str(error))
+            except OSError as error:
+                return self.finish(record, "failed", attempt, start, f"cannot write the answer: {error}")
             record.update(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
                           ttft_s=round(done.ttft_s, 4), finish_reason=done.finish_reason)  # fmt: skip
             return self.finish(record, "ok", attempt, start)
@@ -165,6 +177,8 @@ class Batch:
         with self.lock:
             if status == "ok":
                 self.summary.written.append(record["file"])
+            elif status == "interrupted":
+                self.summary.stopped.append(record["file"])
             else:
                 self.summary.failed[record["file"]] = error
         return status
@@ -190,6 +204,22 @@ class Batch:
         bar = self.progress.bar("batch", len(todo))
         with ThreadPoolExecutor(config.concurrency) as pool:
             running = {pool.submit(self.process, document): document for document in todo}
-            for finished in as_completed(running):
-                bar.advance(1, f"{running[finished].name} {finished.result()}")
+            try:
+                for finished in as_completed(running):
+                    bar.advance(1, f"{running[finished].name} {finished.result()}")
+            except KeyboardInterrupt:
+                self.interrupt(running)
         return self.summary
+
+    def interrupt(self, running: dict) -> None:
+        """Ctrl-C or SIGTERM: stop the requests in flight, start no more, log each document not finished."""
+        self.summary.interrupted = True
+        self.cancel.cancel()
+        self.progress.note("batch: interrupted; stopping the requests in flight")
+        for future, document in running.items():
+            if future.cancel():  # never started
+                self.finish({"file": document.name, "output": self.output(document).name}, "interrupted", 0,
+                            time.monotonic(), "the run was interrupted before it started")  # fmt: skip
+        for future in running:
+            if not future.cancelled():
+                future.exception()  # wait: its worker logs it (its socket is shut, so it ends at once)

@@ -41,6 +41,9 @@ class BenchConfig:
     corpus: Path | None = None
     tokenizer: str | None = None
     api_key: str | None = None
+    """Sent to ``url`` only."""
+    baseline_api_key: str | None = None
+    """Sent to ``baseline_url``: a key is never sent to a server it was not given for."""
     timeout: float = 600.0
     ignore_eos: bool = False
     plots: bool = True
@@ -62,7 +65,7 @@ class BenchConfig:
         """(name, server, model) of the baseline (if any) and the accelerated server."""
         found = []
         if self.baseline_url:
-            found.append(("baseline", Server(self.baseline_url, self.api_key, self.timeout),
+            found.append(("baseline", Server(self.baseline_url, self.baseline_api_key, self.timeout),
                           self.baseline_model or self.model))  # fmt: skip
         found.append(("accelerated", Server(self.url, self.api_key, self.timeout), self.model))
         return found
@@ -184,7 +187,8 @@ def results(run: BenchRun, text: PromptText, cards: dict[str, dict], started: st
             if base:
                 speedup[key] = {"ttft": ratio(base["ttft_s"]["median"], row["ttft_s"]["median"]),
                                 "e2e": ratio(base["e2e_s"]["median"], row["e2e_s"]["median"])}  # fmt: skip
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items() if k != "api_key"}
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()
+                if k not in ("api_key", "baseline_api_key")}
     return {
         "tool": f"prefill-accel {__version__} bench",
         "started": started,

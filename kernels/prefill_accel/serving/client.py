@@ -9,17 +9,21 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 from urllib.parse import urlsplit
 
-from .errors import ContextTooLong, ModelNotServed, ServerError, ServerUnreachable, TransientServerError, UsageError
+from .errors import (Cancelled, ContextTooLong, ModelNotServed, ServerError, ServerUnreachable, TransientServerError,
+                     UsageError)
 
 APIS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 # Words of the HTTP 400 messages vLLM, SGLang and OpenAI give for a prompt over the context length.
 CONTEXT_ERROR_WORDS = ("context length", "maximum context", "max_model_len", "context window", "too long",
                        "longer than")  # fmt: skip
+COMPLETE_FINISH_REASONS = ("stop", "length", "tool_calls")
+"""Finish reasons of an answer the server ended as it meant to; vLLM and SGLang say "abort" for one they dropped."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,11 @@ class Server:
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
+        try:
+            parts.port
+        except ValueError as error:
+            raise UsageError(f"server URL {self.url!r} has no valid port ({error}); "
+                             "give one like http://127.0.0.1:8000") from None  # fmt: skip
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UsageError(f"server URL {self.url!r} is not an http(s) URL like http://127.0.0.1:8000")
 
@@ -51,18 +60,68 @@ class Server:
             headers["Authorization"] = f"Bearer {self.api_key}"
         return headers
 
-    def open(self, method: str, path: str, body: dict | None = None):
+    def open(self, method: str, path: str, body: dict | None = None, cancel: "Cancel | None" = None):
         """Send one request; returns (connection, response) with the response's headers read, its body not.
-        Raises ServerUnreachable."""
+        Raises ServerUnreachable, or Cancelled once ``cancel`` is set."""
         connection = self.connection()
         try:
+            connection.connect()  # before registering, so a cancel always finds the socket to shut
+            if cancel is not None:
+                cancel.register(connection)
             connection.request(method, self.base_path + path, body=None if body is None else json.dumps(body),
                                headers=self.headers())  # fmt: skip
             return connection, connection.getresponse()
+        except Cancelled:
+            connection.close()
+            raise
         except (ConnectionError, socket.timeout, OSError, http.client.HTTPException) as error:
             connection.close()
+            if cancel is not None:
+                cancel.unregister(connection)
+                cancel.check()
             raise ServerUnreachable(f"cannot reach the server at {self.url} ({error}); is it running, "
                                     "and is the URL's host and port right?") from error  # fmt: skip
+
+
+class Cancel:
+    """Stops the requests of a run from another thread: ``cancel()`` shuts the sockets of the requests in
+    flight, so a worker blocked reading a stream wakes at once, and no new request starts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._connections: set[http.client.HTTPConnection] = set()
+        self._event = threading.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, seconds: float) -> None:
+        """Sleep for ``seconds``, or less once cancelled (a retry's backoff)."""
+        self._event.wait(seconds)
+
+    def register(self, connection: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self.check()
+            self._connections.add(connection)
+
+    def unregister(self, connection: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._connections.discard(connection)
+
+    def check(self) -> None:
+        if self.cancelled:
+            raise Cancelled("the run was interrupted")
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._event.set()
+            for connection in self._connections:
+                if connection.sock is not None:
+                    try:
+                        connection.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass  # already closed by its worker
 
 
 @dataclass
@@ -100,7 +159,7 @@ def sse_data(lines: Iterable[bytes]) -> Iterator[str]:
     line; comment lines (``:``) and other fields are skipped."""
     data: list[str] = []
     for raw in lines:
-        line = raw.decode("utf-8").rstrip("\r\n")
+        line = raw.decode("utf-8").rstrip("\r\n")  # UnicodeDecodeError: the caller names the server
         if not line:
             if data:
                 yield "\n".join(data)
@@ -188,18 +247,44 @@ def request_body(api: str, model: str, prompt: str, max_tokens: int, extra: dict
 def chunk_text(api: str, choice: dict) -> str:
     if api == "chat":
         delta = choice.get("delta") or {}
+        if not isinstance(delta, dict):
+            raise ValueError(f"delta is {type(delta).__name__}, not an object")
         return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
     return choice.get("text") or ""
 
 
+def event_choices(event) -> list[dict]:
+    """The choices of a streamed event, checked to be what the OpenAI API says (ValueError otherwise)."""
+    if not isinstance(event, dict):
+        raise ValueError(f"the event is a JSON {type(event).__name__}, not an object")
+    choices = event.get("choices") or []
+    if not isinstance(choices, list) or not all(isinstance(choice, dict) for choice in choices):
+        raise ValueError("its choices are not a list of objects")
+    if not isinstance(event.get("usage") or {}, dict):
+        raise ValueError("its usage is not an object")
+    return choices
+
+
+def check_finish(finish_reason: str | None, where: str, chunks: int) -> None:
+    """Raise unless the stream ended as a complete answer does (``stop``, ``length``, ``tool_calls``)."""
+    if finish_reason in COMPLETE_FINISH_REASONS:
+        return
+    said = f"{where}: the stream ended with finish_reason {finish_reason!r} after {chunks} text chunk(s)"
+    if finish_reason in (None, "abort"):  # the server dropped the request (shutdown, preemption): may pass
+        raise TransientServerError(f"{said}; the answer is incomplete")
+    raise ServerError(f"{said}; the answer is not complete")
+
+
 def stream_completion(server: Server, api: str, model: str, prompt: str, max_tokens: int,
-                      extra: dict | None = None, on_text=None) -> Completion:  # fmt: skip
+                      extra: dict | None = None, on_text=None, cancel: Cancel | None = None) -> Completion:  # fmt: skip
     """Send one streamed request and time it. ``on_text(piece)`` is called with each piece of text as it
-    arrives. Raises ContextTooLong, ModelNotServed, TransientServerError (retry may help), ServerError."""
+    arrives. Raises ContextTooLong, ModelNotServed, TransientServerError (retry may help), ServerError, and
+    Cancelled once ``cancel`` is set. Only a stream that ends as a complete answer returns."""
     body = request_body(api, model, prompt, max_tokens, extra)
     start = time.perf_counter()
-    connection, response = server.open("POST", APIS[api], body)
+    connection, response = server.open("POST", APIS[api], body, cancel)
     what = f"POST {APIS[api]}"
+    where = f"{what} at {server.url}"
     try:
         if response.status != 200:
             raise_for_status(server, response.status, response.read(), what, model)
@@ -216,30 +301,43 @@ def stream_completion(server: Server, api: str, model: str, prompt: str, max_tok
             try:
                 event = json.loads(data)
             except ValueError as error:
-                raise ServerError(f"{what} at {server.url}: a streamed event is not JSON: {data[:200]!r}") from error
-            if "error" in event:
-                raise TransientServerError(f"{what} at {server.url}: error in the stream: {error_message(data.encode())}")
-            if event.get("usage"):
-                usage = event["usage"]
-            for choice in event.get("choices") or []:
-                piece = chunk_text(api, choice)
-                if piece:
-                    if first is None:
-                        first = time.perf_counter()
-                    chunks += 1
-                    pieces.append(piece)
-                    if on_text is not None:
-                        on_text(piece)
-                finish_reason = choice.get("finish_reason") or finish_reason
+                raise ServerError(f"{where}: a streamed event is not JSON: {data[:200]!r}") from error
+            if isinstance(event, dict) and "error" in event:
+                raise TransientServerError(f"{where}: error in the stream: {error_message(data.encode())}")
+            try:
+                choices = event_choices(event)
+                if event.get("usage"):
+                    usage = event["usage"]
+                for choice in choices:
+                    piece = chunk_text(api, choice)
+                    if piece:
+                        if first is None:
+                            first = time.perf_counter()
+                        chunks += 1
+                        pieces.append(piece)
+                        if on_text is not None:
+                            on_text(piece)
+                    finish_reason = choice.get("finish_reason") or finish_reason
+            except ValueError as error:
+                raise ServerError(f"{where}: a streamed event is not an OpenAI chunk ({error}): {data[:200]!r}") from None
         end = time.perf_counter()
-    except (ConnectionError, socket.timeout, http.client.HTTPException) as error:
-        raise TransientServerError(f"{what} at {server.url}: the connection broke mid-stream ({error!r})") from error
+    except UnicodeDecodeError as error:
+        raise ServerError(f"{where}: the stream is not UTF-8 ({error})") from None
+    except (ConnectionError, socket.timeout, OSError, http.client.HTTPException) as error:
+        if cancel is not None:
+            cancel.check()
+        raise TransientServerError(f"{where}: the connection broke mid-stream ({error!r})") from error
     finally:
         connection.close()
+        if cancel is not None:
+            cancel.unregister(connection)
+    if cancel is not None:
+        cancel.check()
     if not done and finish_reason is None:
-        raise TransientServerError(f"{what} at {server.url}: the stream ended before its last event")
+        raise TransientServerError(f"{where}: the stream ended before its last event")
     if first is None:
-        raise ServerError(f"{what} at {server.url}: the server streamed no text (finish_reason {finish_reason})")
+        raise ServerError(f"{where}: the server streamed no text (finish_reason {finish_reason})")
+    check_finish(finish_reason, where, chunks)
     return Completion(text="".join(pieces), ttft_s=first - start, e2e_s=end - start, chunks=chunks,
                       prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
                       finish_reason=finish_reason)  # fmt: skip

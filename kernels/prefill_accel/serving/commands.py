@@ -50,6 +50,9 @@ written), 2 on bad arguments, an unserved model or lengths over a server's max_m
 def _configure_bench(p):
     _server_args(p, "the accelerated (patched)")
     p.add_argument("--baseline-url", help="the baseline (unpatched) server, measured side by side")
+    p.add_argument("--baseline-api-key", default=os.environ.get("PREFILL_ACCEL_BASELINE_API_KEY"),
+                   help="API key for --baseline-url (default: $PREFILL_ACCEL_BASELINE_API_KEY); --api-key is sent "
+                        "to --url only")
     p.add_argument("--baseline-model", help="model name on the baseline server (default: --model)")
     p.add_argument("--lengths", type=parse_lengths, default="4K,8K,16K,32K,64K,128K",
                    help="context lengths in tokens, comma-separated, K = 1024 (default 4K,8K,16K,32K,64K,128K)")
@@ -73,7 +76,8 @@ def _run_bench(args) -> int:
         url=args.url, model=args.model, baseline_url=args.baseline_url, baseline_model=args.baseline_model,
         lengths=args.lengths, repeats=args.repeats, concurrency=args.concurrency, warmup=args.warmup,
         max_tokens=args.max_tokens, api=args.api, corpus=args.corpus, tokenizer=args.tokenizer,
-        api_key=args.api_key, timeout=args.timeout, ignore_eos=args.ignore_eos, plots=args.plots, out=args.out,
+        api_key=args.api_key, baseline_api_key=args.baseline_api_key, timeout=args.timeout,
+        ignore_eos=args.ignore_eos, plots=args.plots, out=args.out,
     )  # fmt: skip
     result = bench(config, progress_of(args))
     print(markdown(result), end="")
@@ -92,9 +96,11 @@ OUTPUT_DIR/NAME.md is written only when its answer is complete (streamed into a 
 then renamed), so an interrupted run leaves no half answer behind; rerunning the command skips documents
 whose .md exists and runs the rest. Transient errors (connection refused or dropped, HTTP 429 and 5xx, a
 stream cut short) are retried after --backoff seconds, doubling; a prompt over the server's context or
-another HTTP 4xx fails at once. One JSON line per document goes to the log: file, status
-(ok/failed/skipped), prompt and completion tokens, TTFT, duration, attempts, error. Exit 1 when any
-document failed.
+another HTTP 4xx fails at once; so does an answer the server ended early (finish_reason "abort" is
+retried, other reasons but stop/length/tool_calls fail). One JSON line per document goes to the log: file,
+status (ok/failed/skipped/interrupted), prompt and completion tokens, TTFT, duration, attempts, error.
+Ctrl-C or SIGTERM stops the requests in flight and starts no more; the log and the summary are still
+written. Exit 1 when any document failed, 130 when interrupted.
 """
 
 
@@ -123,6 +129,8 @@ def _run_batch(args) -> int:
     )  # fmt: skip
     summary = Batch(config, progress_of(args)).run()
     print(summary.render(config))
+    if summary.interrupted:
+        return 130
     return 0 if summary.ok else 1
 
 

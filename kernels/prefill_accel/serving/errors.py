@@ -14,6 +14,12 @@ class TransientServerError(ServerError):
     a stream cut before its end."""
 
 
+class Cancelled(ToolingError):
+    """The run was interrupted (Ctrl-C, SIGTERM) while the request was in flight."""
+
+    exit_code = 130
+
+
 class ServerUnreachable(TransientServerError):
     """No connection to the server at all."""
 

@@ -10,6 +10,9 @@ Two kinds of target directory:
   installed  a directory holding the installed package (site-packages): the path prefix is stripped,
              patch hunks and overlay files outside the package are skipped, files are replaced with
              backups and restored on any error
+
+Either change runs under a journal (journal.py): a signal or an error undoes it before the command
+exits, and a run killed outright is undone by the next apply before it starts.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from . import gitutil
+from . import gitutil, journal
 from .errors import AlreadyApplied, PatchDoesNotApply, ToolingError, UsageError
+from .journal import FileJournal, GitJournal
 from .overlay import check_no_silent_replacement, overlay_files
 from .progress import Progress
 from .series import Patch, Series, content_hash
@@ -101,9 +105,17 @@ def build_stamp(target: Target, series: Series, series_hash: str, root: Path) ->
 
 def apply(target: Target, tree: Path, root: Path, progress: Progress | None = None,
           with_overlay: bool = True) -> ApplyResult:
-    """Apply the whole series (and overlay) to tree, or change nothing and raise."""
+    """Apply the whole series (and overlay) to tree, or change nothing and raise.
+
+    Interrupted by a signal, it undoes what it changed before exiting; killed outright, it leaves a
+    journal from which the next apply restores the tree first (prefill_accel.tooling.journal).
+    """
     progress = progress or Progress()
     layout = detect_layout(target, tree)
+    _check_writable(layout)
+    recovered = journal.recover(layout.root, layout.kind == "git", target.package)
+    if recovered:
+        progress.note(f"    {recovered}")
     series = Series(target.patch_dir(root))
     overlay = overlay_files(target, root) if with_overlay else {}
     series_hash = content_hash(series, overlay_files(target, root))
@@ -130,6 +142,15 @@ def apply(target: Target, tree: Path, root: Path, progress: Progress | None = No
             _write_installed(layout, series, stage, placed, new_stamp, progress)
     changed = sorted({rel for rel in series.paths if layout.local(rel) is not None} | set(placed))
     return ApplyResult(layout, [p.name for p in series], sorted(placed), series_hash, new_stamp, changed)
+
+
+def _check_writable(layout: Layout) -> None:
+    """A usage error before anything is tried when the tree cannot be changed at all."""
+    package = layout.root / (layout.target.package_path if layout.kind == "git" else layout.target.package)
+    places = [layout.root, package] + ([layout.root / ".git"] if layout.kind == "git" else [])
+    for place in places:
+        if not os.access(place, os.W_OK | os.X_OK):
+            raise UsageError(f"{place} is not writable; apply needs to change files there (nothing was changed)")
 
 
 def _created_by(series: Series, rel: str) -> bool:
@@ -206,30 +227,26 @@ def _stamp_text(stamp: dict) -> str:
 
 def _commit_to_git(layout: Layout, series: Series, placed: dict[str, Path], stamp: dict,
                    with_overlay: bool, progress: Progress) -> None:
-    start = gitutil.head(layout.root)
-    try:
+    creates = [*placed, layout.stamp_rel] if with_overlay else []
+    with GitJournal(layout.root, creates).open() as change:
         if series.patches:
             with progress.step(f"git am {len(series)} patch(es)"):
                 gitutil.git("am", "-q", "--no-3way", *[str(p.path) for p in series], cwd=layout.root)
+        change.checkpoint()
         if with_overlay:
             with progress.step(f"Placing {len(placed)} overlay file(s) and the build stamp"):
                 for rel, src in placed.items():
                     dest = layout.root / rel
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(src, dest)
+                change.checkpoint()
                 (layout.root / layout.stamp_rel).write_text(_stamp_text(stamp))
                 gitutil.git("add", "--", *placed, layout.stamp_rel, cwd=layout.root)
+                change.checkpoint()
                 gitutil.git("commit", "-q", "--no-verify", "-m",
                             f"prefill-accel: overlay and build stamp for {layout.target.name}\n\n"
                             f"Series hash {stamp['series_hash']}.\n\n{GENERATED_TRAILER}",
                             cwd=layout.root)
-    except ToolingError:
-        gitutil.git("am", "--abort", cwd=layout.root, check=False)
-        gitutil.git("reset", "-q", "--hard", start, cwd=layout.root)
-        for rel in [*placed, layout.stamp_rel]:
-            if gitutil.git("ls-files", "--error-unmatch", rel, cwd=layout.root, check=False).returncode:
-                (layout.root / rel).unlink(missing_ok=True)
-        raise
 
 
 def _write_installed(layout: Layout, series: Series, stage: Path, placed: dict[str, Path], stamp: dict,
@@ -247,25 +264,13 @@ def _write_installed(layout: Layout, series: Series, stage: Path, placed: dict[s
             writes[dest] = None
     for rel, src in placed.items():
         writes[layout.local(rel)] = src.read_bytes()
-    writes[layout.local(layout.stamp_rel)] = _stamp_text(stamp).encode()
+    writes[layout.local(layout.stamp_rel)] = _stamp_text(stamp).encode()  # last: it marks the series applied
 
-    backups: dict[Path, bytes | None] = {}
     with progress.step(f"Writing {len(writes)} file(s) into {layout.root}"):
-        try:
+        with FileJournal(layout.root, layout.target.package, list(writes)).open() as change:
             for dest, data in writes.items():
-                backups[dest] = dest.read_bytes() if dest.exists() else None
-                _write_or_delete(dest, data)
-        except OSError as e:
-            for dest, data in backups.items():
-                _write_or_delete(dest, data)
-            raise ToolingError(f"writing {dest} failed ({e}); every file was restored") from None
-
-
-def _write_or_delete(path: Path, data: bytes | None) -> None:
-    if data is None:
-        path.unlink(missing_ok=True)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.prefill-accel-tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+                change.checkpoint()
+                try:
+                    journal.write_file(dest, data)
+                except OSError as error:
+                    raise ToolingError(f"writing {dest} failed ({error})") from None

@@ -9,6 +9,7 @@ Exit codes (documented in docs/tooling.md):
   5  overlay conflict: an overlay file would overwrite an undeclared upstream file (nothing was changed)
   6  checksum mismatch of a downloaded or cached artifact
   7  rebase stopped on a conflict (the repository is unchanged; a work tree is left to resolve)
+  130 interrupted by a signal (journal.Interrupted; what apply had changed was undone)
 """
 
 from __future__ import annotations

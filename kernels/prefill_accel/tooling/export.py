@@ -12,7 +12,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from . import gitutil
+from . import gitutil, journal
 from .apply import GENERATED_TRAILER, apply
 from .errors import UsageError
 from .fetch import fetch
@@ -56,21 +56,36 @@ def format_patch(tree: Path, commit: str, number: int, out: Path) -> Path:
 
 def export(target: Target, tree: Path, root: Path, dest: Path | None = None,
            progress: Progress | None = None) -> list[str]:
-    """Regenerate the quilt directory (default patches/<engine>/<version>/) from tree's commits."""
+    """Regenerate the quilt directory (default patches/<engine>/<version>/) from tree's commits.
+
+    The tree must carry a series: commits on top of the target's tag. The new patches are written
+    beside the old ones and moved in one by one, the series file last, so an interrupted export
+    leaves the old series or a mix that a rerun of the same export completes.
+    """
     progress = progress or Progress()
     dest = dest or target.patch_dir(root)
+    if not Path(tree).is_dir():
+        raise UsageError(f"{tree} does not exist; create an edit tree with `prefill-accel edit {target.name}`")
     if not gitutil.is_git_tree(tree):
         raise UsageError(f"{tree} is not a git work tree; create one with `prefill-accel edit {target.name}`")
     if not gitutil.is_clean(tree):
         raise UsageError(f"{tree} has uncommitted changes; commit them (one commit per patch) first")
-    commits = series_commits(tree, target.git_tag)
+    base = f"refs/tags/{target.git_tag}"
+    if gitutil.git("merge-base", "--is-ancestor", base, "HEAD", cwd=tree, check=False).returncode:
+        raise UsageError(f"{tree} is not built on {target.name}'s tag {target.git_tag}; export it to the target "
+                         "it was made for, or create a tree with `prefill-accel edit`")
+    commits = series_commits(tree, base)
+    if not commits:
+        raise UsageError(f"{tree} has no commits on top of {target.git_tag}: it does not carry the series, and "
+                         f"exporting it would empty {dest}. Create the tree with `prefill-accel edit {target.name}`")
     with tempfile.TemporaryDirectory(prefix="prefill-accel-export-") as tmp, \
             progress.step(f"Exporting {len(commits)} commit(s) to {dest}"):
         names = [format_patch(tree, c, i, Path(tmp)).name for i, c in enumerate(commits, start=1)]
         dest.mkdir(parents=True, exist_ok=True)
-        for old in dest.glob("*.patch"):
-            old.unlink()
         for name in names:
-            (dest / name).write_bytes((Path(tmp) / name).read_bytes())
-        (dest / SERIES_FILE).write_text("".join(f"{n}\n" for n in names))
+            journal.write_file(dest / name, (Path(tmp) / name).read_bytes())
+        for old in dest.glob("*.patch"):
+            if old.name not in names:
+                old.unlink()
+        journal.write_file(dest / SERIES_FILE, "".join(f"{n}\n" for n in names).encode())
     return names

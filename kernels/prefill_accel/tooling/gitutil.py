@@ -6,7 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from .errors import ToolingError
+from .errors import ToolingError, UsageError
 
 # Commits the tools create themselves (the offline upstream tree, overlay commits) use this identity and
 # date, so the same inputs give the same commit hashes on every machine.
@@ -32,10 +32,16 @@ def git_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def git(*args: str, cwd: Path | None = None, check: bool = True, input: str | None = None,
         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run `git ARGS` in cwd; on failure (check=True) raise ToolingError with git's stderr."""
+    """Run `git ARGS` in cwd; on failure (check=True) raise ToolingError with git's stderr.
+
+    git runs in a session of its own, so a terminal's Ctrl-C reaches only this process, which stops
+    git (an interrupted subprocess.run kills its child) or, inside a journal, lets it finish first.
+    """
+    if cwd is not None and not Path(cwd).is_dir():
+        raise UsageError(f"{cwd} is not a directory")
     proc = subprocess.run(
         ["git", *_BASE_CONFIG, *args], cwd=cwd, input=input, capture_output=True, text=True,
-        env=git_env(env),
+        env=git_env(env), start_new_session=True,
     )
     if check and proc.returncode != 0:
         raise ToolingError(f"git {' '.join(args)} failed in {cwd}:\n{proc.stderr.strip()}")
@@ -69,3 +75,8 @@ def source_commit(root: Path) -> str:
         return os.environ["PREFILL_ACCEL_COMMIT"]
     proc = git("rev-parse", "HEAD", cwd=root, check=False)
     return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+def path_arg(path: Path | str) -> str:
+    """A local path as a git argument that can never read as an option: absolute."""
+    return str(Path(path).absolute())

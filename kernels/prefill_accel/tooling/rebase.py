@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from .series import Series
 from .targets import Target, Targets, target_from_toml
 
 STATE_FILE = "prefill-accel-rebase.json"
+VERSION_RE = re.compile(r"[0-9][0-9A-Za-z.+-]*")
 
 
 def _git_module():
@@ -30,6 +32,23 @@ def _git_module():
     except ImportError:
         raise UsageError("rebase needs GitPython: pip install 'prefill-accel[tooling]'") from None
     return git
+
+
+def check_version(version: str) -> None:
+    """A version becomes part of paths, tags and file names: a usage error unless it is a plain one."""
+    if not VERSION_RE.fullmatch(version):
+        raise UsageError(f"{version!r} is not a release version like 0.27.0 or 0.6.4.post1 "
+                         "(digits first, then letters, digits, '.', '+' or '-')")
+
+
+def _clone_upstream(git, upstream: str, work: Path, tag: str) -> None:
+    """Clone the --upstream repository at tag into work, or a usage error naming what is missing."""
+    try:
+        git.Repo.clone_from(upstream, work, branch=tag)
+    except git.GitCommandError as error:
+        shutil.rmtree(work, ignore_errors=True)
+        said = " ".join(str(error.stderr).split()) or str(error)
+        raise UsageError(f"cannot clone --upstream {upstream} at tag {tag}: {said}") from None
 
 
 def default_work_tree(engine: str, to_version: str, root: Path) -> Path:
@@ -64,6 +83,7 @@ def rebase(targets: Targets, engine: str, from_version: str, to_version: str, wo
     progress = progress or Progress()
     root = targets.root
     old = targets.for_engine(engine, from_version)
+    check_version(to_version)
     target = new_target(old, to_version, pin_from_registry=upstream is None)
     _check_destinations_free(targets, target)
     if work.exists():
@@ -71,7 +91,7 @@ def rebase(targets: Targets, engine: str, from_version: str, to_version: str, wo
 
     with progress.step(f"Preparing {work}: {target.name} with {old.name}'s series as commits"):
         if upstream:
-            git.Repo.clone_from(upstream, work, branch=target.git_tag)
+            _clone_upstream(git, upstream, work, target.git_tag)
         else:
             fetch(target, work, root, progress)
         repo = git.Repo(work)

@@ -30,10 +30,10 @@ import xml.etree.ElementTree as ElementTree
 import zipfile
 from pathlib import Path
 
-from . import envbuild, registry
+from . import envbuild, gitutil, registry
 from .apply import apply
 from .errors import ToolingError, UsageError
-from .fetch import fetch
+from .fetch import fetch, pristine_repo
 from .overlay import overlay_files
 from .progress import Progress
 from .targets import Target
@@ -138,6 +138,11 @@ def verify(target: Target, root: Path, python: str | None = None, work: Path | N
            tests: list[str] | None = None, progress: Progress | None = None) -> VerifyReport:
     progress = progress or Progress()
     upstream_tests = list(tests if tests is not None else target.cpu_tests)
+    if python is not None:
+        check_python(python)
+    if work is not None and Path(work).exists() and any(Path(work).iterdir()):
+        raise UsageError(f"--work {work} exists and is not empty; give a new directory")
+    check_tests_exist(target, root, upstream_tests, progress)
     if python is None:
         python = str(envbuild.cached_test_env(target, root, progress))
     with tempfile.TemporaryDirectory(prefix="prefill-accel-verify-") as tmp:
@@ -146,9 +151,6 @@ def verify(target: Target, root: Path, python: str | None = None, work: Path | N
         fetch(target, unpatched, root, progress)
         fetch(target, patched, root, progress)
         apply(target, patched, root, progress)
-        missing = [t for t in upstream_tests if not (unpatched / t.split("::")[0]).exists()]
-        if missing:
-            raise UsageError(f"{target.name}: upstream tests not in the tree: {', '.join(missing)}")
         harness = Harness.prepare(target, root, work)
         runtime = root / RUNTIME_DIR  # the patched engine's prefill_accel, as the install step provides it
         if upstream_tests:
@@ -173,6 +175,30 @@ def verify(target: Target, root: Path, python: str | None = None, work: Path | N
             ours = run_pytest(python, harness, [patched / target.path_prefix, runtime], patched,
                               our_tests(target, root), work / "ours.xml", "--noconftest")
     return VerifyReport(target, python, before, after, ours)
+
+
+def check_python(python: str) -> None:
+    """A usage error, before any work, unless python runs and has pytest."""
+    try:
+        proc = subprocess.run([python, "-c", "import pytest"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise UsageError(f"--python {python} cannot be run ({error})") from None
+    if proc.returncode != 0:
+        raise UsageError(f"--python {python} has no pytest ({proc.stderr.strip().splitlines()[-1:]}); "
+                         "give an interpreter with the engine's test dependencies")
+
+
+def check_tests_exist(target: Target, root: Path, tests: list[str], progress: Progress) -> None:
+    """A usage error, before the trees are made, naming each test path not in the upstream tree at the tag."""
+    if not tests:
+        return
+    pristine = pristine_repo(target, root, progress)
+    missing = [t for t in tests
+               if t.startswith(("/", "-")) or gitutil.git("cat-file", "-e", f"{target.git_tag}:{t.split('::')[0]}",
+                                                          cwd=pristine, check=False).returncode]
+    if missing:
+        raise UsageError(f"{target.name}: upstream tests not in the tree at {target.git_tag}: {', '.join(missing)} "
+                         "(paths are relative to the tree's root, e.g. tests/core/test_scheduler.py)")
 
 
 def unpacked_wheel(target: Target, root: Path, progress: Progress) -> Path:
