@@ -122,6 +122,35 @@ def pipelined_time(fn, reps: int, calls: int = 8) -> float:
     return cuda_time(lambda: [fn() for _ in range(calls)], reps) / calls
 
 
+def search_breakdown(select_args, config: SparsePrefillConfig, scale: float, reps: int) -> dict:
+    """Where the block search's time goes at one shape: the public call from an idle GPU (lengths read
+    from the device, the layout built, allocations and two launches), the layout build alone (host), the
+    search with a prebuilt layout as an engine runs it (once per layer, one layout per step) from an idle
+    GPU and back to back (its GPU time, the host running ahead as in a model's forward), the pooling
+    kernel alone back to back, and the host time of launching it."""
+    q, k_cache, table, cu, seqlens = select_args
+    host = (cu.cpu(), seqlens.cpu())
+    layout = BatchLayout.build(*host, config, q.device)
+    search = lambda: triton_kernels.select_blocks(q, k_cache, table, cu, seqlens, layout, config, scale)  # noqa: E731
+    with_means, with_bounds = config.estimator in ("pooled", "mixed"), config.estimator in ("bound", "mixed")
+    pool = lambda: triton_kernels.pool_blocks(k_cache, table, seqlens, layout, with_means, with_bounds, q.dtype)  # noqa: E731
+    row = {"public_ms": cuda_time(lambda: select_blocks(*select_args, config=config, softmax_scale=scale), reps),
+           "prebuilt_ms": cuda_time(search, reps), "pipelined_ms": pipelined_time(search, reps),
+           "pipelined_pool_ms": pipelined_time(pool, reps)}  # fmt: skip
+    builds, launches = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        BatchLayout.build(*host, config, q.device)
+        builds.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        search()
+        launches.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+    row["layout_build_ms"], row["host_launch_ms"] = 1e3 * statistics.median(builds), 1e3 * statistics.median(launches)
+    return row
+
+
 def dense_route_breakdown(q, k_cache, v_cache, table, length: int, reps: int, rounds: int = 3) -> dict:
     """Where the public function's dense route (cuDNN, below min_q_len) spends its time on one fresh
     sequence, each part alone from an idle GPU (``*_ms``) and back to back (``pipelined_*``): the page
@@ -299,6 +328,7 @@ def bench_length(length, args, results):
         config = base.replace(threshold=threshold)
         total = cuda_time(lambda: sparse_prefill_attention(*kernel_args, config=config, out=out), reps)
         select = cuda_time(lambda: select_blocks(*select_args, config=config), reps)
+        breakdown = search_breakdown(select_args, config, scale, reps)
         index = select_blocks(*select_args, config=config)
         attend = cuda_time(lambda: block_sparse_attention(*kernel_args, index, out=out), reps)
         unsplit = lambda: triton_kernels.block_sparse_attention(*kernel_args, index.layout, index, scale, False, out, split_kv=False)  # noqa: B023, E731
@@ -309,6 +339,7 @@ def bench_length(length, args, results):
         err = ((sparse_out.float() - dense_out).norm() / dense_out.norm()).item()
         row["sparse"].append(
             dict(estimator=estimator, target=target, threshold=threshold, density=density, total_ms=total, select_ms=select,
+                 search=breakdown, search_share_of_cudnn=breakdown["pipelined_ms"] / row["cudnn_ms"],
                  attention_ms=attend, attention_unsplit_ms=attend_unsplit, attention_pointer_ms=attend_pointer,
                  long_rows=index.layout.long_rows.numel(), rel_err=err, speedup_cudnn=row["cudnn_ms"] / total, speedup_fa2=row["fa2_ms"] / total)
         )
@@ -396,6 +427,16 @@ def main() -> int:
                 f"| {s['attention_ms']:.2f} / {s['attention_unsplit_ms']:.2f} / {s['attention_pointer_ms']:.2f} "
                 f"| {s['speedup_cudnn']:.1f}x | {s['speedup_fa2']:.1f}x | {s['rel_err']:.1e} |"
             )
+    print(f"\nBlock search at {args.heads} / {args.kv_heads} heads, d={args.head_dim}: share of dense cuDNN attention "
+          "(engine-style: prebuilt layout, calls back to back)")
+    print("| N | estimator | density | cuDNN ms | public call ms | prebuilt ms | back to back ms | pooling ms | layout build ms | host launch ms | share of cuDNN |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in results:
+        for s in row["sparse"]:
+            b = s["search"]
+            print(f"| {row['length'] // 1024}K | {s['estimator']} | {100 * s['density']:.1f}% | {row['cudnn_ms']:.2f} "
+                  f"| {b['public_ms']:.3f} | {b['prebuilt_ms']:.3f} | {b['pipelined_ms']:.3f} | {b['pipelined_pool_ms']:.3f} "
+                  f"| {b['layout_build_ms']:.3f} | {b['host_launch_ms']:.3f} | {100 * s['search_share_of_cudnn']:.2f}% |")  # fmt: skip
     if report["real"]:
         print("\n| layer | N | heads q/kv, d | estimator | FA2 ms | cuDNN ms | sparse ms | select ms | density | rel err vs dense |")
         print("|---|---|---|---|---|---|---|---|---|---|")

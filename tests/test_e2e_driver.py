@@ -69,3 +69,21 @@ def test_mixed_load_servers_share_the_scheduler_flags_and_differ_in_backend(driv
     ours, alone = driver.mixed_flags("SPARSE_PREFILL", 5.5), driver.mixed_flags("default", 5.5)
     assert ours[:2] == ["--attention-backend", "SPARSE_PREFILL"] and "--attention-backend" not in alone
     assert ours[2:] == alone and alone[-2:] == ["--max-step-latency-ms", "5.5"]
+
+
+def test_long_runs_use_the_models_documented_rope_scaling_where_it_has_one(driver, tmp_path, monkeypatch):
+    monkeypatch.setattr(driver, "MODELS", tmp_path)
+    (tmp_path / driver.QWEN).mkdir()
+    (tmp_path / driver.QWEN / "config.json").write_text('{"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}')
+    assert driver.long_len(driver.QWEN) == 131072 and driver.long_len("smollm2") == driver.LONG_LEN
+    assert driver.engine_kwargs(driver.QWEN, max_model_len=32768, chunk=16384, eager=True).get("hf_overrides") is None
+    long = driver.engine_kwargs(driver.QWEN, max_model_len=131072, chunk=16384, eager=False)
+    assert long["hf_overrides"] == {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                        "original_max_position_embeddings": 32768, "rope_theta": 1e6}}
+    # The 128K prompt leaves room for the answer inside YaRN's 128K; SmolLM2's speed runs do not need it.
+    assert driver.prompt_len(driver.QWEN, 131072) == 131072 - 64 and driver.prompt_len(driver.QWEN, 65536) == 65536
+    assert driver.prompt_len("smollm2", 131072) == 131072
+
+
+def test_needle_depths_are_eight_spread_over_the_prompt(driver):
+    assert len(driver.NEEDLE_DEPTHS) == 8 and driver.NEEDLE_DEPTHS[0] == 0.05 and driver.NEEDLE_DEPTHS[-1] == 0.95

@@ -988,10 +988,11 @@ def pool_blocks(cache: torch.Tensor, page_table: torch.Tensor, seqlens_k: torch.
                 means: bool = True, extremes: bool = False, dtype: torch.dtype = torch.float32):  # fmt: skip
     """(means, maxima, minima) of every key (or value) block, each (batch, max_k_blocks, num_kv_heads,
     head_dim) in ``dtype``, from one pass over the cache: the block's mean with ``means``, its elementwise
-    maximum and minimum with ``extremes``; None for what was not asked."""
+    maximum and minimum with ``extremes``; None for what was not asked. Blocks past a sequence's length
+    are left unwritten: no kernel reads them (a query block sees only key blocks up to its own)."""
     head_dim, num_kv = cache.shape[3], cache.shape[2]
     shape = (layout.batch, max(layout.max_k_blocks, 1), num_kv, head_dim)
-    outputs = [torch.zeros(shape, dtype=dtype, device=cache.device) if wanted else None
+    outputs = [torch.empty(shape, dtype=dtype, device=cache.device) if wanted else None
                for wanted in (means, extremes, extremes)]  # fmt: skip
     first = next(x for x in outputs if x is not None)
     if layout.max_k_blocks:

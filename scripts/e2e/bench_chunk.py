@@ -9,7 +9,14 @@ call with and without a prebuilt layout. Inputs: structured random Q/K/V (see be
 ``--real`` captures from the accuracy harness (``python -m prefill_accel.accuracy --capture``), whose
 density is the one a model produces. Needs vLLM on the path (run it under the patched site's path).
 
+With ``--prefill`` every chunk of a whole chunked prefill is timed instead (chunk i: queries
+[i * chunk, (i + 1) * chunk) over keys [0, (i + 1) * chunk)) and the chunks summed: one layer's attention
+time in a prefill of that length, FA3 against ours (search and attention), the figure that explains a
+TTFT ratio.
+
   python scripts/e2e/bench_chunk.py --lengths 32768,65536,131072 --chunk 16384 --out chunk.json
+  python scripts/e2e/bench_chunk.py --prefill --heads 12 --kv-heads 2 --head-dim 128 --estimators mixed \
+      --lengths 32768,131008 --real captures/*.pt
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ sys.path.insert(0, str(ROOT / "kernels"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_kernels import cuda_time, paged, structured_qkv  # noqa: E402
+from prefill_accel import triton_kernels  # noqa: E402
 from prefill_accel import (  # noqa: E402
     BatchLayout,
     SparsePrefillConfig,
@@ -88,6 +96,45 @@ def time_chunk(name: str, q, k_cache, v_cache, table, cu, seqlens, config, scale
     return row
 
 
+def time_prefill(name: str, q_full, k, v, chunk: int, page_size: int, config, scale, repeats: int) -> dict:
+    """One layer's attention in a whole chunked prefill of ``k.shape[0]`` tokens: every chunk timed
+    (FA3; our search and attention with a prebuilt layout, as the engine calls them), summed."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    length = k.shape[0]
+    totals = {"fa3_ms": 0.0, "select_ms": 0.0, "attention_ms": 0.0, "total_layout_ms": 0.0}
+    kept = causal = 0
+    for end in range(chunk, length + chunk, chunk):
+        end = min(end, length)
+        q, k_cache, v_cache, table, cu, seqlens = chunk_inputs(q_full[:end], k[:end], v[:end], end - (end - 1) // chunk * chunk, page_size)
+        args = (q, k_cache, v_cache, table, cu, seqlens)
+        out = torch.empty_like(q)
+
+        def fa3():
+            flash_attn_varlen_func(
+                q=q, k=k_cache, v=v_cache, max_seqlen_q=q.shape[0], cu_seqlens_q=cu, max_seqlen_k=end,
+                seqused_k=seqlens, softmax_scale=scale, causal=True, block_table=table, out=out, fa_version=3,
+            )  # fmt: skip
+
+        layout = BatchLayout.build(cu.cpu(), seqlens.cpu(), config, q.device)
+        search = lambda: triton_kernels.select_blocks(q, k_cache, table, cu, seqlens, layout, config, scale)  # noqa: B023, E731
+        index = None if layout.all_dense else search()
+        attend = lambda: triton_kernels.block_sparse_attention(*args, layout, index, scale, False, out)  # noqa: B023, E731
+        whole = lambda: sparse_prefill_attention(*args, config=config, softmax_scale=scale, out=out, layout=layout)  # noqa: B023, E731
+        totals["fa3_ms"] += cuda_time(fa3, repeats)
+        totals["select_ms"] += 0.0 if index is None else cuda_time(search, repeats)
+        totals["attention_ms"] += cuda_time(attend, repeats)
+        totals["total_layout_ms"] += cuda_time(whole, repeats)
+        blocks = layout.causal_blocks() * k_cache.shape[2]
+        kept += blocks if index is None else int(index.counts.long().sum())
+        causal += blocks
+    row = {"input": name, "estimator": config.estimator, "length": length, "chunk": chunk, "heads": q_full.shape[1],
+           "kv_heads": k.shape[1], "head_dim": q_full.shape[2], "density": kept / max(causal, 1), **totals}  # fmt: skip
+    row["search_share_of_fa3"] = totals["select_ms"] / totals["fa3_ms"]
+    row["speedup_vs_fa3"] = totals["fa3_ms"] / totals["total_layout_ms"]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="32768,65536,131072")
@@ -99,28 +146,43 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--estimators", default="pooled,exact", help="block-importance estimators to time")
     parser.add_argument("--real", nargs="*", default=[], help="captured q/k/v .pt files (accuracy harness)")
+    parser.add_argument("--prefill", action="store_true", help="time every chunk of a whole prefill, summed")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    configs = [SparsePrefillConfig(min_q_len=0, estimator=name) for name in args.estimators.split(",")]
+    # The engine's default config: sequences whose chunk is below min_q_len stay dense there too.
+    configs = [SparsePrefillConfig(min_q_len=0 if not args.prefill else SparsePrefillConfig.min_q_len, estimator=name)
+               for name in args.estimators.split(",")]  # fmt: skip
     rows = []
+
+    def measure(name, q, k, v, scale):
+        for config in configs:
+            if args.prefill:
+                rows.append(time_prefill(name, q, k, v, args.chunk, args.page_size, config, scale, args.repeats))
+            else:
+                chunk = min(args.chunk, q.shape[0] // 2) if name != "structured" else args.chunk
+                rows.append(time_chunk(name, *chunk_inputs(q, k, v, chunk, args.page_size), config, scale, args.repeats))
+            print(json.dumps(rows[-1]), flush=True)
+
     for length in (int(x) for x in args.lengths.split(",")):
         q, k, v = structured_qkv(length, args.heads, args.kv_heads, args.head_dim, configs[0].block_size,
                                  torch.bfloat16, seed=length)  # fmt: skip
-        inputs = chunk_inputs(q, k, v, args.chunk, args.page_size)
-        for config in configs:
-            rows.append(time_chunk("structured", *inputs, config, args.head_dim**-0.5, args.repeats))
-            print(json.dumps(rows[-1]), flush=True)
+        measure("structured", q, k, v, args.head_dim**-0.5)
     for path in map(Path, args.real):
         data = torch.load(path, map_location="cuda")
         q, k, v = (data[name].to(torch.bfloat16).contiguous() for name in ("q", "k", "v"))
-        chunk = min(args.chunk, q.shape[0] // 2)
-        inputs = chunk_inputs(q, k, v, chunk, args.page_size)
-        scale = data.get("scale") or q.shape[2] ** -0.5
-        for config in configs:
-            rows.append(time_chunk(path.name, *inputs, config, scale, args.repeats))
-            print(json.dumps(rows[-1]), flush=True)
+        measure(path.name, q, k, v, data.get("scale") or q.shape[2] ** -0.5)
 
+    if args.prefill:
+        print("\n| input | length | chunk | density | FA3 ms | search ms | attention ms | ours ms | search / FA3 | vs FA3 |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['input']} | {r['length']} | {r['chunk']} | {r['density']:.3f} | {r['fa3_ms']:.2f} | "
+                  f"{r['select_ms']:.2f} | {r['attention_ms']:.2f} | {r['total_layout_ms']:.2f} | "
+                  f"{100 * r['search_share_of_fa3']:.1f}% | {r['speedup_vs_fa3']:.2f}x |")  # fmt: skip
+        if args.out:
+            args.out.write_text(json.dumps(rows, indent=1))
+        return
     print("\n| input | length | chunk | estimator | density | FA3 ms | search ms | attention ms | ours ms (layout) | vs FA3 |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

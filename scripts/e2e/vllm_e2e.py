@@ -17,6 +17,11 @@ Phases (--phases, comma separated):
            (scripts/e2e/bench_chunk.py), and the density the search keeps inside the engine.
   tp       both GPUs: Gemma 3 with tensor parallel 2, greedy tokens at threshold 0 equal to upstream
            TP=2, and the 128K TTFT ratio.
+  qwen     GPU 0: Qwen2.5-Coder-1.5B, a model trained for long context (32K, 128K with its documented
+           YaRN, applied through vLLM's rope override past 32K): the override checked against the
+           harness's transformers model, greedy tokens at threshold 0, needles at 32K / 64K / 128K (8
+           depths each, default config), offline and served TTFT at --lengths, `prefill-accel bench`
+           against the two servers, and per-layer attention time of whole prefills (bench_chunk.py).
 Results: --out DIR/results.json (every number) and the tables printed at the end (markdown).
 """
 
@@ -41,6 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "kernels"))
 
+from prefill_accel.accuracy.models import MODELS as MODEL_SPECS  # noqa: E402
 from prefill_accel.accuracy.needle import build_prompts, parse_answer  # noqa: E402
 from prefill_accel.serving.stats import percentile  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402  (imported here: a lazy import from two threads races)
@@ -52,6 +58,8 @@ LOGS = Path(os.environ.get("E2E_LOGS", "/tmp/e2e-logs"))
 KV_BYTES = 8 << 30
 GPU_UTIL = 0.12  # only the start-up free-memory check reads it: the KV cache size is fixed by KV_BYTES
 LONG_LEN = 131072 + 1024  # max_model_len for the long-context runs (beyond SmolLM2's 8K: speed only)
+QWEN = "qwen2.5-coder-1.5b"
+NEEDLE_DEPTHS = [round(0.05 + 0.9 * i / 7, 3) for i in range(8)]
 PRINT_LOCK = threading.Lock()
 RESULTS_LOCK = threading.Lock()
 OUT_DIR = Path(".")
@@ -146,10 +154,11 @@ class Server:
     def __init__(self, name: str, side: str, gpus: str, model: Path, port: int, args: list[str]):
         self.name, self.side, self.port, self.model = name, side, port, str(model)
         self.log = LOGS / f"{name}.log"
+        max_len = long_len(model.name)
         command = [sys.executable, "-c", "from vllm.entrypoints.cli.main import main; main()", "serve", str(model),
                    "--port", str(port), "--dtype", "bfloat16", "--seed", "0", "--kv-cache-memory-bytes", str(KV_BYTES),
-                   "--gpu-memory-utilization", str(GPU_UTIL), "--max-model-len", str(LONG_LEN),
-                   "--hf-overrides", json.dumps({"max_position_embeddings": LONG_LEN}),
+                   "--gpu-memory-utilization", str(GPU_UTIL), "--max-model-len", str(max_len),
+                   "--hf-overrides", json.dumps(long_context_overrides(model.name, max_len)),
                    *args]  # fmt: skip
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=side_env(side, gpus))
@@ -189,11 +198,38 @@ def engine_kwargs(model: str, *, max_model_len: int, chunk: int, eager: bool, tp
         max_num_batched_tokens=chunk, enable_prefix_caching=True, kv_cache_memory_bytes=KV_BYTES,
         gpu_memory_utilization=GPU_UTIL, enforce_eager=eager, tensor_parallel_size=tp,
     )  # fmt: skip
-    if max_model_len > 32768:
-        # Past the model's trained length (speed runs only): size the rotary table for it too.
-        kwargs["hf_overrides"] = {"max_position_embeddings": max_model_len}
+    overrides = long_context_overrides(model, max_model_len)
+    if overrides:
+        kwargs["hf_overrides"] = overrides
     kwargs.update(extra)
     return kwargs
+
+
+def long_len(model: str) -> int:
+    """max_model_len of a model's long-context runs: its documented extension (Qwen2.5: YaRN to 128K),
+    else LONG_LEN past its training length (speed only)."""
+    spec = MODEL_SPECS[model]
+    return int(spec.max_length * spec.long_context.factor) if spec.long_context else LONG_LEN
+
+
+def long_context_overrides(model: str, max_model_len: int) -> dict:
+    """vLLM's hf_overrides for a run past the model's training length: the model's documented rope
+    scaling where it has one (vLLM 0.26 derives the longer maximum from it), else a rotary table sized
+    for the run (SmolLM2 and Gemma 3 past their training length: speed only)."""
+    spec = MODEL_SPECS[model]
+    if max_model_len <= spec.max_length:
+        return {}
+    if spec.long_context is None:
+        return {"max_position_embeddings": max_model_len}
+    config = json.loads((MODELS / model / "config.json").read_text())
+    theta = (config.get("rope_parameters") or {}).get("rope_theta") or config["rope_theta"]
+    return {"rope_parameters": spec.long_context.parameters(theta, spec.max_length)}
+
+
+def prompt_len(model: str, length: int, room: int = 64) -> int:
+    """The prompt length a run at ``length`` uses: ``room`` tokens short of the model's longest runs, so
+    the output fits (YaRN's rotary table ends at the extended length)."""
+    return min(length, long_len(model) - room)
 
 
 SPARSE_FLAGS: dict[str, object] = {}
@@ -304,7 +340,7 @@ def equality_stage(results: dict, gpus: str, model: str, tp: int, tag: str) -> N
     prompt whose first 3072 tokens hit the prefix cache so its continuation chunk is computed sparse."""
     tok = tokenizer_for(model)
     corpus = Corpus(tok, 40_000)
-    max_len = 8192 if model == "smollm2" else 32768
+    max_len = MODEL_SPECS[model].max_length
     lengths = [1500, 3000, 6000, max_len - 64]
     longs = [build_prompts(tok, n, [0.3 + 0.1 * i], seed=i)[0].input_ids for i, n in enumerate(lengths)]
     shorts = [corpus.window(100 + 60 * i, 50 + i) for i in range(6)]
@@ -359,28 +395,38 @@ def teacher_forced(up: Worker, pa: Worker, prompts: list[list[int]], generated: 
     return {"positions": positions, "top1_agree": agree, "max_abs_logprob_diff": max_diff}
 
 
-def needle_stage(results: dict, gpus: str) -> None:
-    tok = tokenizer_for("gemma3")
-    lengths, depths = [8192, 16384, 24576, 32768 - 32], [0.1, 0.3, 0.5, 0.7, 0.9]
-    base = dict(max_model_len=32768, chunk=16384, eager=True)
-    up, pa = pair("gemma-needle", gpus, engine_kwargs("gemma3", **base),
-                  engine_kwargs("gemma3", **base, **sparse(min_len=2048)))  # fmt: skip
+def needle_stage(results: dict, gpus: str, model: str, lengths: list[int], depths: list[float], key: str,
+                 **flags) -> None:  # fmt: skip
+    """Needle answers of upstream and patched (default config, with ``flags``), greedy, at each length on
+    the engine that serves it: up to the model's training length natively, past it with the model's
+    documented long-context override (one engine pair each)."""
+    tok = tokenizer_for(model)
+    native = MODEL_SPECS[model].max_length
     rows = []
-    try:
-        for length in lengths:
-            prompts = build_prompts(tok, length, depths, seed=length)
-            ids = [p.input_ids for p in prompts]
-            answers = {}
-            for side, w in (("upstream", up), ("patched", pa)):
-                tokens = w.call(op="generate", prompts=ids, max_tokens=12)["tokens"]
-                answers[side] = [parse_answer(tok.decode(t)) for t in tokens]
-            for p, a_up, a_pa in zip(prompts, answers["upstream"], answers["patched"]):
-                rows.append({"length": length, "depth": p.depth, "value": p.value, "upstream": a_up, "patched": a_pa})
-            say(f"needles {length}: upstream {sum(r['upstream'] == r['value'] for r in rows[-5:])}/5, "
-                f"patched {sum(r['patched'] == r['value'] for r in rows[-5:])}/5")  # fmt: skip
-    finally:
-        up.close()
-        pa.close()
+    for max_len, group in ((native, [n for n in lengths if n <= native]), (long_len(model), [n for n in lengths if n > native])):
+        if not group:
+            continue
+        base = dict(max_model_len=max_len, chunk=16384, eager=True)
+        up, pa = pair(f"{model}-needle-{max_len}", gpus, engine_kwargs(model, **base),
+                      engine_kwargs(model, **base, **sparse(**flags)))  # fmt: skip
+        try:
+            for length in group:
+                prompts = build_prompts(tok, length, depths, seed=length)
+                ids = [p.input_ids for p in prompts]
+                answers = {}
+                for side, w in (("upstream", up), ("patched", pa)):
+                    tokens = w.call(op="generate", prompts=ids, max_tokens=12, timeout=1200)["tokens"]
+                    answers[side] = [parse_answer(tok.decode(t)) for t in tokens]
+                for p, a_up, a_pa in zip(prompts, answers["upstream"], answers["patched"]):
+                    rows.append({"length": length, "depth": p.depth, "value": p.value, "upstream": a_up, "patched": a_pa,
+                                 "max_model_len": max_len})  # fmt: skip
+                mine = rows[-len(prompts):]
+                say(f"{model} needles {length}: upstream {sum(r['upstream'] == r['value'] for r in mine)}/{len(mine)}, "
+                    f"patched {sum(r['patched'] == r['value'] for r in mine)}/{len(mine)}, "
+                    f"same answer {sum(r['upstream'] == r['patched'] for r in mine)}/{len(mine)}")  # fmt: skip
+        finally:
+            up.close()
+            pa.close()
     summary = {}
     for length in lengths:
         sel = [r for r in rows if r["length"] == length]
@@ -390,8 +436,10 @@ def needle_stage(results: dict, gpus: str) -> None:
             "same_answer": sum(r["upstream"] == r["patched"] for r in sel),
             "prompts": len(sel),
         }
-    results["gemma_needles"] = {"engine": "chunked prefill 16384, patched defaults with --sparse-prefill-min-len 2048",
-                                "by_length": summary, "rows": rows}  # fmt: skip
+    flag_text = "".join(f" --sparse-prefill-{k.replace('_', '-')} {v}" for k, v in flags.items())
+    results[key] = {"model": model, "engine": f"chunked prefill 16384, eager; patched: default sparse config{flag_text}"
+                    + sparse_flags_note() + f"; past {native} tokens {long_context_overrides(model, native + 1)}",
+                    "by_length": summary, "rows": rows}  # fmt: skip
 
 
 def ttft_pairs(up: Worker | Server, pa: Worker | Server, measure, lengths: list[int], repeats: int, corpus: Corpus,
@@ -414,27 +462,29 @@ def ttft_pairs(up: Worker | Server, pa: Worker | Server, measure, lengths: list[
     return table
 
 
-def offline_ttft_stage(results: dict, gpus: str, lengths: list[int], repeats: int) -> None:
-    tok = tokenizer_for("smollm2")
+def offline_ttft_stage(results: dict, gpus: str, model: str, lengths: list[int], repeats: int, key: str) -> None:
+    tok = tokenizer_for(model)
     corpus = Corpus(tok, max(lengths) + 64 * 1024)
-    base = dict(max_model_len=LONG_LEN, chunk=16384, eager=False)
-    up, pa = pair("smol-ttft", gpus, engine_kwargs("smollm2", **base), engine_kwargs("smollm2", **base, **sparse()))
+    max_len = long_len(model)
+    base = dict(max_model_len=max_len, chunk=16384, eager=False)
+    up, pa = pair(f"{model}-ttft", gpus, engine_kwargs(model, **base), engine_kwargs(model, **base, **sparse()))
     try:
-        table = ttft_pairs(up, pa, lambda w, ids: w.call(op="ttft", prompt=ids)["seconds"], lengths, repeats, corpus, 0)
+        table = ttft_pairs(up, pa, lambda w, ids: w.call(op="ttft", prompt=ids, timeout=900)["seconds"],
+                           [prompt_len(model, n) for n in lengths], repeats, corpus, 0)  # fmt: skip
     finally:
         up.close()
         pa.close()
-    results["offline_ttft"] = {"model": "smollm2", "engine": "LLM, chunked prefill 16384, prefix caching on, "
-                               "CUDA graphs + torch.compile (defaults); patched: default sparse config"
-                               + sparse_flags_note(),
-                               "by_length": table}  # fmt: skip
+    results[key] = {"model": model, "engine": f"LLM, max_model_len {max_len} {long_context_overrides(model, max_len)}, "
+                    "chunked prefill 16384, prefix caching on, CUDA graphs + torch.compile (defaults); patched: "
+                    "default sparse config" + sparse_flags_note(), "by_length": table}  # fmt: skip
 
 
 def offline_phase(results: dict, gpus: str, args) -> None:
     for name, stage in (
         ("smol_equality", lambda: equality_stage(results, gpus, "smollm2", 1, "smollm2")),
-        ("gemma_needles", lambda: needle_stage(results, gpus)),
-        ("offline_ttft", lambda: offline_ttft_stage(results, gpus, args.lengths, args.repeats)),
+        ("gemma_needles", lambda: needle_stage(results, gpus, "gemma3", [8192, 16384, 24576, 32768 - 32],
+                                               [0.1, 0.3, 0.5, 0.7, 0.9], "gemma_needles", min_len=2048)),
+        ("offline_ttft", lambda: offline_ttft_stage(results, gpus, "smollm2", args.lengths, args.repeats, "offline_ttft")),
     ):
         run_stage(results, name, stage)
 
@@ -647,6 +697,142 @@ def tp_phase(results: dict, gpus: str, args) -> None:
     run_stage(results, "tp2_ttft", ttft)
 
 
+# --------------------------------------------------------------------------------------------- qwen
+
+
+def transformers_greedy(model: str, prompts: list[list[int]], max_tokens: int, rope) -> list[list[int]]:
+    """Greedy tokens of the converted checkpoint in transformers (the harness's model, as vLLM loads it),
+    on GPU 0 in this process, with ``rope`` (a RopeScaling, or None) applied to its config first."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(MODELS / model)
+    if rope is not None:
+        rope.apply(config)
+    hf = AutoModelForCausalLM.from_pretrained(MODELS / model, config=config, dtype=torch.bfloat16).to("cuda").eval()
+    try:
+        with torch.no_grad():
+            return [hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=max_tokens, do_sample=False)[0, len(ids):]
+                    .tolist() for ids in prompts]  # fmt: skip
+    finally:
+        del hf
+        torch.cuda.empty_cache()
+
+
+def rope_check_stage(results: dict, gpus: str, model: str) -> None:
+    """vLLM 0.26 applies the long-context override: on short prompts, upstream vLLM's greedy tokens agree
+    with the harness's transformers model natively and with the override, and the override changes
+    vLLM's log-probs (it would not, were it ignored)."""
+    spec = MODEL_SPECS[model]
+    tok = tokenizer_for(model)
+    corpus = Corpus(tok, 8192)
+    rng = random.Random(11)
+    prompts = [chat_prompt(tok, corpus, rng, 300 + 200 * i, 70 + i) for i in range(4)]
+    runs = {}
+    for label, max_len, rope in (("native", spec.max_length, None), (str(spec.long_context), long_len(model), spec.long_context)):
+        worker = Worker(f"{model}-rope-{label.replace(':', '')}", "upstream", gpus,
+                        engine_kwargs(model, max_model_len=max_len, chunk=2048, eager=True))  # fmt: skip
+        try:
+            vllm_out = worker.call(op="generate", prompts=prompts, max_tokens=24, logprobs=2)
+        finally:
+            worker.close()
+        rows = compare_tokens(vllm_out, {"tokens": transformers_greedy(model, prompts, 24, rope)})
+        runs[label] = {"max_model_len": max_len, "hf_overrides": long_context_overrides(model, max_len),
+                       "equal": sum(r["equal"] for r in rows), "prompts": len(rows), "rows": rows,
+                       "first_top": [top[0] for top in vllm_out["top"]]}  # fmt: skip
+        say(f"{model} rope {label}: vLLM and transformers greedy tokens equal on {runs[label]['equal']}/{len(rows)}")
+    native, scaled = runs.values()
+    change = max(abs(a[0][1] - b[0][1]) for a, b in zip(native["first_top"], scaled["first_top"]))
+    results[f"{model}_rope_check"] = {"runs": runs, "max_first_logprob_change": change, "override_applied": change > 1e-3}
+    say(f"{model} rope override changes vLLM's first-token log-prob by up to {change:.4f}")
+
+
+def serve_bench_stage(results: dict, gpus: str, model: str, args) -> None:
+    """TTFT through `vllm serve` streaming, the two servers alternating, then `prefill-accel bench` against the
+    same two servers."""
+    path = MODELS / model
+    chunk = ["--max-num-batched-tokens", "16384"]
+    tok = tokenizer_for(model)
+    corpus = Corpus(tok, max(args.lengths) + 64 * 1024)
+    with serving(f"{model}-serve-upstream", "upstream", gpus, path, 8111, chunk) as up, serving(
+        f"{model}-serve-patched", "patched", gpus, path, 8112, [*chunk, "--attention-backend", "SPARSE_PREFILL"]
+    ) as pa:
+        table = ttft_pairs(up, pa, served_ttft, [prompt_len(model, n) for n in args.lengths], args.repeats, corpus, 500)
+        results[f"{model}_serve_ttft"] = {
+            "model": model, "engine": "vllm serve, streaming /v1/completions, --max-num-batched-tokens 16384, "
+            f"--max-model-len {long_len(model)} {long_context_overrides(model, long_len(model))} both sides; patched: "
+            "--attention-backend SPARSE_PREFILL, default sparse config" + sparse_flags_note(), "by_length": table,
+        }  # fmt: skip
+        results[f"{model}_bench"] = run_bench(up, pa, model, args)
+
+
+def run_bench(up: Server, pa: Server, model: str, args) -> dict:
+    """`prefill-accel bench` itself (the product's client) against the two servers: its table and JSON."""
+    import importlib.util
+
+    out = OUT_DIR / f"bench-{model}"
+    command = [sys.executable, "-m", "prefill_accel.cli", "bench", "-q", "--url", f"http://127.0.0.1:{pa.port}",
+               "--baseline-url", f"http://127.0.0.1:{up.port}", "--model", pa.model, "--api", "completions",
+               "--lengths", ",".join(map(str, args.lengths)), "--repeats", str(args.repeats), "--max-tokens", "8",
+               "--ignore-eos", "--tokenizer", pa.model, "--out", str(out)]  # fmt: skip
+    if importlib.util.find_spec("matplotlib") is None:
+        command.append("--no-plots")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "kernels"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+    (LOGS / f"bench-{model}.log").write_text(proc.stdout + proc.stderr)
+    say(f"prefill-accel bench exit {proc.returncode}:\n{proc.stdout}")
+    report = out / "results.json"
+    return {"command": " ".join(command), "exit": proc.returncode, "table": proc.stdout,
+            "results": json.loads(report.read_text()) if report.is_file() else None}  # fmt: skip
+
+
+def layer_time_stage(results: dict, gpus: str, model: str, args) -> None:
+    """Per-layer attention time of whole prefills, ours against vLLM's FA3, and the search's share
+    (scripts/e2e/bench_chunk.py --prefill), at the model's shape on structured inputs and on the
+    model's own q/k/v captured by the accuracy harness (layers --capture-layers, at 32K natively and at
+    the longest length with the long-context rope scaling)."""
+    spec = MODEL_SPECS[model]
+    gguf = Path(os.environ.get("PREFILL_ACCEL_CACHE", "/tmp/bundle/cache")) / "models" / model / spec.gguf_name
+    captures = OUT_DIR.parent / "captures"
+    captures.mkdir(parents=True, exist_ok=True)
+    env = {**side_env("patched", gpus), "PYTHONPATH": str(ROOT / "kernels")}
+    for length, rope in ((spec.max_length, None), (prompt_len(model, max(args.lengths)), spec.long_context)):
+        command = [sys.executable, "-m", "prefill_accel.accuracy", "--gguf", str(gguf), "--device", "cuda",
+                   "--lengths", str(length), "--layers", args.capture_layers, "--capture", str(captures)]
+        if rope is not None and length > spec.max_length:
+            command += ["--rope-scaling", str(rope)]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+        (LOGS / f"capture-{model}-{length}.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise EngineError(f"capture at {length} failed; log tail:\n{log_tail(LOGS / f'capture-{model}-{length}.log')}")
+    out, log = OUT_DIR / f"layers-{model}.json", LOGS / f"bench-chunk-{model}.log"
+    heads, kv_heads, head_dim = args.model_shape.split("/")
+    command = [sys.executable, str(ROOT / "scripts" / "e2e" / "bench_chunk.py"), "--prefill", "--chunk", "16384",
+               "--lengths", ",".join(str(prompt_len(model, n)) for n in args.lengths if n >= 16384),
+               "--heads", heads, "--kv-heads", kv_heads, "--head-dim", head_dim, "--estimators", "mixed",
+               "--real", *map(str, sorted(captures.glob(f"{Path(gguf).stem}_L*_layer*.pt"))), "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(command, env=side_env("patched", gpus), capture_output=True, text=True, timeout=1800)
+    log.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise EngineError(f"bench_chunk.py --prefill failed; log tail:\n{log_tail(log)}")
+    results[f"{model}_layer_times"] = json.loads(out.read_text())
+    say("\n".join(line for line in proc.stdout.splitlines() if line.startswith("|")))
+
+
+def qwen_phase(results: dict, gpus: str, args) -> None:
+    lengths = [32768 - 32, 65536, 131072 - 64]  # the longest leave room for the answer under YaRN's 128K
+    for name, stage in (
+        ("qwen_rope_check", lambda: rope_check_stage(results, gpus, QWEN)),
+        ("qwen_equality", lambda: equality_stage(results, gpus, QWEN, 1, "qwen")),
+        ("qwen_needles", lambda: needle_stage(results, gpus, QWEN, lengths, NEEDLE_DEPTHS, "qwen_needles")),
+        ("qwen_offline_ttft", lambda: offline_ttft_stage(results, gpus, QWEN, args.lengths, args.repeats,
+                                                         "qwen_offline_ttft")),
+        ("qwen_serve", lambda: serve_bench_stage(results, gpus, QWEN, args)),
+        ("qwen_layer_times", lambda: layer_time_stage(results, gpus, QWEN, args)),
+    ):  # fmt: skip
+        run_stage(results, name, stage)
+
+
 # --------------------------------------------------------------------------------------------- chunk
 
 
@@ -689,7 +875,12 @@ def chunk_phase(results: dict, gpus: str, args) -> None:
 
 def report(results: dict) -> str:
     lines = [f"# vLLM 0.26.0 end to end: {results['device']}, {results['date']}", ""]
-    for key in ("smollm2_greedy_threshold0", "gemma3_tp2_greedy_threshold0"):
+    if f"{QWEN}_rope_check" in results:
+        r = results[f"{QWEN}_rope_check"]
+        lines.append(f"{QWEN} rope override applied by vLLM: {r['override_applied']} (first-token log-prob changes by up to "
+                     f"{r['max_first_logprob_change']:.4f}); greedy tokens vLLM = transformers: "
+                     + ", ".join(f"{label} {run['equal']}/{run['prompts']}" for label, run in r["runs"].items()))
+    for key in ("smollm2_greedy_threshold0", "gemma3_tp2_greedy_threshold0", "qwen_greedy_threshold0"):
         if key in results:
             r = results[key]
             lines.append(f"Greedy tokens, threshold 0, {r['model']} TP={r['tp']}: **{r['equal']}/{r['prompts']}** "
@@ -703,12 +894,14 @@ def report(results: dict) -> str:
                     lines.append(f"  - prompt {row['prompt']} ({row['prompt_tokens']} tokens): first difference at "
                                  f"output token {row['first_diff']}, upstream top-1/top-2 margin "
                                  f"{row.get('upstream_margin', float('nan')):.3f} nats")  # fmt: skip
-    if "gemma_needles" in results:
-        lines += ["", "| Gemma 3 needles | upstream correct | patched correct | same answer |", "|---|---|---|---|"]
-        for length, s in results["gemma_needles"]["by_length"].items():
-            lines.append(f"| {length} | {s['upstream_correct']}/{s['prompts']} | {s['patched_correct']}/{s['prompts']} "
-                         f"| {s['same_answer']}/{s['prompts']} |")  # fmt: skip
-    for key in ("offline_ttft", "serve_ttft", "tp2_ttft"):
+    for key in ("gemma_needles", "qwen_needles"):
+        if key in results:
+            lines += ["", f"| {results[key]['model']} needles | upstream correct | patched correct | same answer |",
+                      "|---|---|---|---|"]  # fmt: skip
+            for length, s in results[key]["by_length"].items():
+                lines.append(f"| {length} | {s['upstream_correct']}/{s['prompts']} | {s['patched_correct']}/{s['prompts']} "
+                             f"| {s['same_answer']}/{s['prompts']} |")  # fmt: skip
+    for key in ("offline_ttft", "serve_ttft", "tp2_ttft", "qwen_offline_ttft", f"{QWEN}_serve_ttft"):
         if key in results:
             lines += ["", f"| {key} ({results[key]['model']}) | upstream ms | patched ms | speedup |", "|---|---|---|---|"]
             for length, row in results[key]["by_length"].items():
@@ -724,6 +917,8 @@ def report(results: dict) -> str:
             lines.append(f"| {label} | {un['ttft_p50_ms']:.1f} / {un['ttft_p99_ms']:.1f} | {lo['ttft_p50_ms']:.1f} / "
                          f"{lo['ttft_p99_ms']:.1f} | {row['ttft_p99_ratio']:.2f} | {un['itl_p99_ms']:.1f} / "
                          f"{lo['itl_p99_ms']:.1f} | {row['itl_p99_ratio']:.2f} | {lo.get('long_ttft_ms', 0):.0f} |")
+    if f"{QWEN}_bench" in results:
+        lines += ["", f"`prefill-accel bench` (exit {results[f'{QWEN}_bench']['exit']}):", "", results[f"{QWEN}_bench"]["table"]]
     for name, error in results.get("errors", {}).items():
         lines += ["", f"ERROR in {name}: {error.splitlines()[0] if error else ''}"]
     return "\n".join(lines)
@@ -732,7 +927,8 @@ def report(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--phases", default="offline,serve")
-    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768, 65536, 131072])
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[8192, 16384, 32768, 65536, 131072])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--mixed-long", type=int, default=98304, help="tokens of the long request of the mixed load")
     parser.add_argument("--mixed-rate", type=float, default=4.0, help="short chats per second")
@@ -747,7 +943,11 @@ def main() -> None:
                         "defaults, so their effect shows apart from the scheduler flags")
     parser.add_argument("--skip", default="", help="comma-separated stage names to leave out (smol_equality, "
                         "gemma_needles, offline_ttft, serve_ttft, mixed_load, chunk_bench, engine_density, "
-                        "tp2_equality, tp2_ttft)")  # fmt: skip
+                        "tp2_equality, tp2_ttft, qwen_rope_check, qwen_equality, qwen_needles, qwen_offline_ttft, "
+                        "qwen_serve, qwen_layer_times)")  # fmt: skip
+    parser.add_argument("--capture-layers", default="7,21", help="layers of the qwen phase's captured q/k/v")
+    parser.add_argument("--model-shape", default="12/2/128", help="query heads / KV heads / head_dim of the qwen "
+                        "phase's structured per-layer timing")  # fmt: skip
     parser.add_argument("--sparse-flag", type=parse_sparse_flag, action="append", default=[], metavar="NAME=VALUE",
                         help="a --sparse-prefill-NAME value for every patched engine (repeatable), e.g. estimator=exact")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -780,6 +980,8 @@ def main() -> None:
         chunk_phase(results, "0", args)
     if "tp" in phases:
         tp_phase(results, "0,1", args)
+    if "qwen" in phases:
+        qwen_phase(results, "0", args)
     (out / f"results-{'-'.join(phases)}.json").write_text(json.dumps(results, indent=1, default=str))
     text = report(results)
     (out / f"report-{'-'.join(phases)}.md").write_text(text)

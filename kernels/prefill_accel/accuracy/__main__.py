@@ -15,7 +15,7 @@ import torch
 from ..config import ESTIMATORS, SparsePrefillConfig
 from .attention import BACKENDS, PAGE_SIZES
 from .harness import ConfigResult, Harness, capture_qkv
-from .models import MODELS
+from .models import MODELS, ROPE_KINDS, RopeScaling
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,6 +41,13 @@ def _choices(allowed: tuple[str, ...]):
     return parse
 
 
+def _rope_scaling(text: str) -> RopeScaling:
+    try:
+        return RopeScaling.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     defaults = SparsePrefillConfig()
     parser = argparse.ArgumentParser(
@@ -53,6 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument("--gguf", help="use this local GGUF file instead of fetching --model")
     source.add_argument("--cache-dir", help="where fetched models live (default $PREFILL_ACCEL_CACHE/models, "
                         "else ~/.cache/prefill-accel/models)")  # fmt: skip
+    source.add_argument("--rope-scaling", type=_rope_scaling, metavar="KIND:FACTOR",
+                        help="stretch the rotary embedding past the training length before loading, e.g. yarn:4 "
+                        f"(kinds: {', '.join(ROPE_KINDS)}); "
+                        + "; ".join(f"{m.name} documents {m.long_context}" for m in MODELS.values() if m.long_context))
     source.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     source.add_argument("--dtype", choices=sorted(DTYPES), help="weights and activations (default: float32 on "
                         "CPU, bfloat16 on CUDA)")  # fmt: skip
@@ -176,10 +187,15 @@ def main(argv=None) -> int:
     configs = sweep_configs(args)  # validates the configuration flags before the model loads
     text = Path(args.text_file).read_text() if args.text_file else None
     harness = Harness.load(
-        args.model, args.gguf, args.device, dtype, args.cache_dir, backend=args.backend, page_size=args.page_size,
+        args.model, args.gguf, args.device, dtype, args.cache_dir, rope_scaling=args.rope_scaling,
+        backend=args.backend, page_size=args.page_size,
         analysis_layers=args.layers, needle_depths=needle_depths(args), needle_tokens=args.needle_tokens,
         text=text, seed=args.seed,
     )  # fmt: skip
+    longest = harness.model.config.max_position_embeddings
+    if max(args.lengths) > longest:
+        hint = "" if args.rope_scaling else " (pass --rope-scaling, e.g. yarn:4, to stretch it)"
+        sys.exit(f"--lengths {max(args.lengths)} is past the model's {longest} positions{hint}")
     if args.layers is not None:
         unknown = sorted(set(args.layers) - set(harness.sparse_layers))
         if unknown:
@@ -195,12 +211,14 @@ def main(argv=None) -> int:
                 print(f"saved {path}: " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in tensors.items()))
         return 0
     results = []
-    print(f"model {args.model if args.gguf is None else args.gguf}, backend {args.backend}, device {args.device}, "
+    scaling = f" ({args.rope_scaling} rope scaling)" if args.rope_scaling else ""
+    print(f"model {args.model if args.gguf is None else args.gguf}{scaling}, backend {args.backend}, device {args.device}, "
           f"dtype {dtype}, sparse layers {harness.sparse_layers}", flush=True)  # fmt: skip
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": ["python", "-m", "prefill_accel.accuracy", *(sys.argv[1:] if argv is None else argv)],
         "model": args.model if args.gguf is None else args.gguf,
+        "rope_scaling": None if args.rope_scaling is None else str(args.rope_scaling),
         "backend": args.backend,
         "device": args.device,
         "dtype": str(dtype),

