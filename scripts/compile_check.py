@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import multiprocessing
 import os
+import signal
 import sys
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
@@ -40,6 +42,8 @@ from prefill_accel.layout import BatchLayout  # noqa: E402
 
 SHARED_LIMIT = {90: 232448}  # bytes per block with the opt-in maximum
 JOBS: list = []  # the launches to compile, shared with forked workers (kernels do not pickle)
+PARENT = [0]  # the pid of the process whose pool compiles them
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def record_launches() -> list[tuple[JITFunction, dict, dict]]:
@@ -117,6 +121,14 @@ def run_host_functions() -> None:
                 triton_kernels.block_sparse_attention(*args, index, 0.1, True, None, kv_reads=reads)
 
 
+def die_with_parent() -> None:
+    """Pool initializer: a worker is killed when the process that forked it ends, however it ends (a
+    timeout's SIGKILL included), so no compile outlives the check."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != PARENT[0]:  # the parent ended before the call
+        os._exit(1)
+
+
 def compile_one(number: int) -> tuple[str, int | None, str]:
     """(kernel variant, shared bytes or None, error) of launch ``JOBS[number]``."""
     kernel, named, options, capability, shape = JOBS[number]
@@ -145,7 +157,11 @@ def main() -> int:
         types = tuple(t.split("[")[0] for t in key[2])  # a descriptor's block shape follows the tile
         groups[(key[0], tuple(kv for kv in key[1] if kv[0] not in tile), types)].append(shape)
         jobs.append((kernel, named, options, args.capability, shape))
-    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+    print(f"compiling {len(jobs)} kernel variants with {args.jobs} workers", flush=True)
+    PARENT[0] = os.getpid()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # stop at once; the workers follow (die_with_parent)
+        signal.signal(sig, lambda number, frame: os._exit(128 + number))
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork"), initializer=die_with_parent) as pool:
         results = {shape: (shared, error) for shape, shared, error in pool.map(compile_one, range(len(jobs)))}
     limit = SHARED_LIMIT[args.capability]
     failures = [f"{shape}: {error}" for shape, (shared, error) in results.items() if error]

@@ -14,7 +14,7 @@ import prefill_accel
 import pytest
 from prefill_accel.cli import main
 from prefill_accel.serving.batch import DEFAULT_TEMPLATE, Batch, BatchConfig
-from prefill_accel.tooling.progress import Progress
+from prefill_accel.progress import Progress
 from serving_stub import StubServer, answer
 
 MODEL = "stub-model"

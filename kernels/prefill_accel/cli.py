@@ -12,9 +12,10 @@ import signal
 import sys
 import threading
 
+from .commands import Command
+from .errors import CommandError
 from .serving.commands import SERVING_COMMANDS
-from .tooling.commands import TOOLING_COMMANDS, Command
-from .tooling.errors import ToolingError
+from .tooling.commands import TOOLING_COMMANDS
 
 COMMAND_TABLES: tuple[dict[str, Command], ...] = (TOOLING_COMMANDS, SERVING_COMMANDS)
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None  # a supervisor's stop, as Ctrl-C
     try:
         return args.run(args)
-    except ToolingError as e:
+    except CommandError as e:
         print(f"prefill-accel {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt as e:

@@ -16,7 +16,7 @@ import pytest
 
 from prefill_accel.tooling import registry
 from prefill_accel.tooling.fetch import fetch
-from prefill_accel.tooling.progress import Progress
+from prefill_accel.progress import Progress
 from prefill_accel.tooling.targets import Targets, find_root
 
 ROOT = find_root(Path(__file__).parent)

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from prefill_accel.tooling.errors import UsageError
+from prefill_accel.errors import UsageError
 from prefill_accel.tooling.targets import target_from_toml
 from prefill_accel.tooling.verify import FAILED, OFFLINE_REVISION, PASSED, SKIPPED, offline_hf_home, verify
 

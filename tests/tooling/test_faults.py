@@ -23,7 +23,7 @@ from prefill_accel.tooling.apply import apply
 from prefill_accel.tooling.errors import ToolingError
 from prefill_accel.tooling.fetch import fetch
 from prefill_accel.tooling.journal import JOURNAL_NAME, Interrupted
-from prefill_accel.tooling.progress import Progress
+from prefill_accel.progress import Progress
 
 from .conftest import QUIET, ROOT, fetched, tree_digest
 

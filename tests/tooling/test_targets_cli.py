@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from prefill_accel.cli import COMMAND_TABLES, main
-from prefill_accel.tooling.errors import UsageError
+from prefill_accel.errors import UsageError
 from prefill_accel.tooling.series import Series
 
 from .conftest import ROOT, TARGET_NAMES

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..tooling.progress import Progress
+from ..progress import Progress
 from .client import APIS, Cancel, Server, check_model, stream_completion
 from .errors import Cancelled, ServerError, TransientServerError, UsageError
 
@@ -202,24 +202,27 @@ class Batch:
         self.progress.note(f"batch: {len(documents)} document(s), {len(self.summary.skipped)} finished before, "
                            f"{len(todo)} to run on {config.url} ({config.model}), {config.concurrency} at a time")
         bar = self.progress.bar("batch", len(todo))
+        running: dict = {}
         with ThreadPoolExecutor(config.concurrency) as pool:
-            running = {pool.submit(self.process, document): document for document in todo}
             try:
+                for document in todo:
+                    running[pool.submit(self.process, document)] = document
                 for finished in as_completed(running):
                     bar.advance(1, f"{running[finished].name} {finished.result()}")
             except KeyboardInterrupt:
-                self.interrupt(running)
+                self.interrupt(todo, running)
         return self.summary
 
-    def interrupt(self, running: dict) -> None:
+    def interrupt(self, todo: list[Path], running: dict) -> None:
         """Ctrl-C or SIGTERM: stop the requests in flight, start no more, log each document not finished."""
         self.summary.interrupted = True
         self.cancel.cancel()
         self.progress.note("batch: interrupted; stopping the requests in flight")
-        for future, document in running.items():
-            if future.cancel():  # never started
-                self.finish({"file": document.name, "output": self.output(document).name}, "interrupted", 0,
-                            time.monotonic(), "the run was interrupted before it started")  # fmt: skip
+        submitted = set(running.values())
+        never = [doc for future, doc in running.items() if future.cancel()] + [d for d in todo if d not in submitted]
+        for document in never:
+            self.finish({"file": document.name, "output": self.output(document).name}, "interrupted", 0,
+                        time.monotonic(), "the run was interrupted before it started")  # fmt: skip
         for future in running:
             if not future.cancelled():
                 future.exception()  # wait: its worker logs it (its socket is shut, so it ends at once)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..tooling.progress import Progress
+from ..progress import Progress
 from .client import APIS, Server, check_model, stream_completion
 from .errors import ContextTooLong, ServerError, UsageError, require
 from .prompts import PromptText

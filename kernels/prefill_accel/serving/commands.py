@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from ..tooling.commands import Command, progress_of
+from ..commands import Command, progress_of
 
 API_KEY_HELP = "API key sent as a Bearer token (default: $OPENAI_API_KEY)"
 

@@ -1,11 +1,11 @@
-"""Errors of the serving tools, each a ToolingError so the CLI reports one message and an exit code."""
+"""Errors of the serving tools, each a CommandError so the CLI reports one message and an exit code."""
 
 from __future__ import annotations
 
-from ..tooling.errors import ToolingError, UsageError
+from ..errors import CommandError, UsageError
 
 
-class ServerError(ToolingError):
+class ServerError(CommandError):
     """A request failed for a reason that retrying will not change (HTTP 4xx, a malformed stream)."""
 
 
@@ -14,7 +14,7 @@ class TransientServerError(ServerError):
     a stream cut before its end."""
 
 
-class Cancelled(ToolingError):
+class Cancelled(CommandError):
     """The run was interrupted (Ctrl-C, SIGTERM) while the request was in flight."""
 
     exit_code = 130

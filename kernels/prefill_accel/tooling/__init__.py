@@ -7,10 +7,13 @@ Modules, one job each:
   series    a quilt patch directory: series file, patch parsing, series hash
   overlay   the overlay tree: where its files land and the no-silent-overwrite check
   apply     atomic apply of series + overlay to a git tree or an installed package
+  journal   what makes a change survive a signal or a kill: held signals, rollback, recovery
   export    `edit` work trees and deterministic `export` back to patches/
   rebase    replay the series onto a new upstream release (GitPython)
   verify    upstream's CPU tests, unpatched vs patched, regressions only
   envbuild  the virtualenv flavour of the Docker build (build.sh --venv)
 
-Engine-specific facts live in patches/targets.toml, never in this code.
+Engine-specific facts live in patches/targets.toml, never in this code. Standard library and git only
+(GitPython for rebase): nothing here imports torch. Errors, progress output and the subcommand type are
+shared with the serving tools (prefill_accel.errors, .progress, .commands).
 """

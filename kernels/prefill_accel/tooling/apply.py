@@ -26,11 +26,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ..errors import UsageError
+from ..progress import Progress
 from . import gitutil, journal
-from .errors import AlreadyApplied, PatchDoesNotApply, ToolingError, UsageError
+from .errors import AlreadyApplied, PatchDoesNotApply, ToolingError
 from .journal import FileJournal, GitJournal
 from .overlay import check_no_silent_replacement, overlay_files
-from .progress import Progress
 from .series import Patch, Series, content_hash
 from .targets import Target
 

@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shlex
 from pathlib import Path
-from typing import Callable
 
-from .progress import Progress
+from ..commands import Command, progress_of
 from .targets import Targets
-
-
-@dataclasses.dataclass(frozen=True)
-class Command:
-    help: str
-    configure: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-
-
-def progress_of(args) -> Progress:
-    return Progress(quiet=getattr(args, "quiet", False))
 
 
 def _target_arg(parser) -> None:

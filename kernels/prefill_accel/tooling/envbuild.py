@@ -19,10 +19,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..errors import UsageError
+from ..progress import Progress
 from . import gitutil, registry
-from .errors import ToolingError, UsageError
+from .errors import ToolingError
 from .overlay import overlay_files
-from .progress import Progress
 from .series import Series, content_hash
 from .targets import Target
 

@@ -14,15 +14,11 @@ Exit codes (documented in docs/tooling.md):
 
 from __future__ import annotations
 
-
-class ToolingError(Exception):
-    """Base class: a failure the CLI reports as one message and an exit code."""
-
-    exit_code = 1
+from ..errors import CommandError
 
 
-class UsageError(ToolingError):
-    exit_code = 2
+class ToolingError(CommandError):
+    """A tooling operation failed (a download, a git command, a test run)."""
 
 
 class PatchDoesNotApply(ToolingError):

@@ -12,11 +12,11 @@ import re
 import tempfile
 from pathlib import Path
 
+from ..errors import UsageError
+from ..progress import Progress
 from . import gitutil, journal
 from .apply import GENERATED_TRAILER, apply
-from .errors import UsageError
 from .fetch import fetch
-from .progress import Progress
 from .series import SERIES_FILE
 from .targets import Target
 

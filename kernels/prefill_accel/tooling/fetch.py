@@ -21,9 +21,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ..errors import UsageError
+from ..progress import Progress
 from . import gitutil, registry
-from .errors import ChecksumMismatch, ToolingError, UsageError
-from .progress import Progress
+from .errors import ChecksumMismatch, ToolingError
 from .targets import Target
 
 FETCH_ENV = "PREFILL_ACCEL_FETCH"

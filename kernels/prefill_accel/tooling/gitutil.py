@@ -6,7 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from .errors import ToolingError, UsageError
+from ..errors import UsageError
+from .errors import ToolingError
 
 # Commits the tools create themselves (the offline upstream tree, overlay commits) use this identity and
 # date, so the same inputs give the same commit hashes on every machine.

@@ -9,9 +9,10 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from ..errors import UsageError
+from ..progress import Progress
 from .apply import ApplyResult, apply
-from .errors import ToolingError, UsageError
-from .progress import Progress
+from .errors import ToolingError
 from .targets import Target
 
 _FIND_PACKAGE = (

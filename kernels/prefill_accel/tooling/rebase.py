@@ -15,10 +15,11 @@ import re
 import shutil
 from pathlib import Path
 
-from .errors import RebaseConflict, ToolingError, UsageError
+from ..errors import UsageError
+from ..progress import Progress
+from .errors import RebaseConflict, ToolingError
 from .export import export
 from .fetch import fetch, pristine_repo
-from .progress import Progress
 from .series import Series
 from .targets import Target, Targets, target_from_toml
 

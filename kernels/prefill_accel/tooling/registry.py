@@ -19,8 +19,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from ..progress import Progress
 from .errors import ChecksumMismatch, ToolingError
-from .progress import Progress
 
 CACHE_ENV = "PREFILL_ACCEL_CACHE"
 INDEX_ENV = "PREFILL_ACCEL_INDEX_URL"

@@ -12,7 +12,7 @@ import hashlib
 import re
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 
 SERIES_FILE = "series"
 _DIFF_RE = re.compile(r"^diff --git a/(?P<old>\S+) b/(?P<new>\S+)$")

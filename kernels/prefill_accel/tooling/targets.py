@@ -11,7 +11,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10 (some official engine images): pip vendors the same parser
     from pip._vendor import tomli as tomllib
 
-from .errors import UsageError
+from ..errors import UsageError
 
 TARGETS_FILE = Path("patches") / "targets.toml"
 ROOT_ENV = "PREFILL_ACCEL_ROOT"

@@ -30,12 +30,13 @@ import xml.etree.ElementTree as ElementTree
 import zipfile
 from pathlib import Path
 
+from ..errors import UsageError
+from ..progress import Progress
 from . import envbuild, gitutil, registry
 from .apply import apply
-from .errors import ToolingError, UsageError
+from .errors import ToolingError
 from .fetch import fetch, pristine_repo
 from .overlay import overlay_files
-from .progress import Progress
 from .targets import Target
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
