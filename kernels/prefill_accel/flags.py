@@ -23,6 +23,38 @@ SUFFIXES = (
 )  # fmt: skip
 
 
+# The help of every flag, written once: each engine's --help shows these (vLLM 0.26's AttentionConfig
+# docstrings are checked against them by its adapter's test). {dense} is the engine's dense path.
+HELP = {
+    "threshold": "keep a key block whose estimated attention share is at least this times the largest of its "
+                 "query block, in [0, 1]; 0 keeps every causal block (exact dense attention)",
+    "target_mass": "above 0, a query block also keeps its highest-estimate key blocks until they hold this share "
+                   "of its estimated attention (a mass-targeted cut); 0 disables it",
+    "min_len": "a prefill chunk with at least this many query tokens in a step uses block-sparse attention, "
+               "shorter chunks dense attention, decodes {dense}; at least --sparse-prefill-block-size",
+    "dense_layers": "the first N attention layers always use {dense}",
+    "block_size": "positions per query block and key block of the block-sparse search (64, 128 or 256)",
+    "sink_blocks": "key blocks at the start of the sequence that every query block keeps (attention sinks)",
+    "local_blocks": "key blocks just before the diagonal that every query block keeps (local window)",
+    "last_query_blocks": "the last query blocks of each prompt are computed dense (they shape the first "
+                         "generated token)",
+    "query_stride": "the block search scores every N-th query row of a block (1 scores all rows); must divide "
+                    "the block size",
+    "estimator": "how the block search estimates a key block's share of attention: pooled (sampled query rows "
+                 "against each block's mean key), bound (against its key bounds), mixed (the mean of the two) or "
+                 "exact (the exact attention of a few query rows per block)",
+    "exact_rows": "query rows per block of the exact estimator (1, 2, 4 or 8)",
+    "mean_correction": "pruned key blocks fully visible to a query block still contribute through their mean "
+                       "key and value",
+}  # fmt: skip
+
+
+def help_text(suffix: str, backend: str, dense: str) -> str:
+    """The --help of one flag on an engine: ``backend`` names the backend it tunes, ``dense`` the
+    engine's dense path (``FlashAttention``, ``the dense backend``)."""
+    return f"{backend} backend: {HELP[suffix].format(dense=dense)}."
+
+
 def flag(name: str) -> str:
     """``sparse_prefill_min_len`` or ``min_len`` -> ``--sparse-prefill-min-len``."""
     return "--" + (FIELD_PREFIX + name.removeprefix(FIELD_PREFIX)).replace("_", "-")

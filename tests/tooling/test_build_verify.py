@@ -23,6 +23,10 @@ from prefill_accel.tooling.verify import FAILED, OFFLINE_REVISION, PASSED, SKIPP
 from .conftest import QUIET, ROOT, VENV_TARGET, fetched
 
 
+# The engine's own startup hook, called with a logger that prints: the banner as the engine logs it.
+LOG_TO_STDOUT = "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s'); "
+
+
 @pytest.fixture(scope="session")
 def built_venv(tmp_path_factory):
     venv = tmp_path_factory.mktemp("build") / "venv"
@@ -35,9 +39,9 @@ def built_venv(tmp_path_factory):
 
 
 def test_built_venv_imports_the_patched_engine_and_logs_the_series(built_venv, targets):
-    code = ("import logging; logging.basicConfig(level=logging.INFO); import vllm.engine.llm_engine as m; "
-            "from vllm.prefill_accel_series import series_banner; "
-            "assert m.log_prefill_accel_series.__module__ == 'vllm.prefill_accel_series'; print(series_banner())")
+    code = (LOG_TO_STDOUT + "import vllm.engine.llm_engine as m; "
+            "assert m.log_prefill_accel_series.__module__ == 'vllm.prefill_accel_series'; "
+            "m.log_prefill_accel_series(logging.getLogger('banner'))")
     proc = subprocess.run([str(built_venv), "-c", code], capture_output=True, text=True, cwd=ROOT.parent,
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0, proc.stderr
@@ -55,13 +59,14 @@ def test_built_sglang_venv_imports_the_patched_modules(tmp_path, targets):
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "build.sh"), "sglang-0.5.16", "--venv", str(venv)],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    code = ("import sglang.srt.entrypoints.engine, sglang.srt.managers.scheduler as s, "
+    code = (LOG_TO_STDOUT + "import sglang.srt.entrypoints.engine as e, sglang.srt.managers.scheduler as s, "
             "sglang.srt.layers.attention.sparse_prefill_backend; "
             "from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS; "
             "from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES; "
-            "from sglang.prefill_accel_series import series_banner; "
             "assert 'sparse_prefill' in ATTENTION_BACKENDS and 'sparse_prefill' in ATTENTION_BACKEND_CHOICES; "
-            "assert s.PrefillStreak.__module__ == 'sglang.srt.managers.decode_protection'; print(series_banner())")
+            "assert s.PrefillStreak.__module__ == 'sglang.srt.managers.decode_protection'; "
+            "assert e.log_prefill_accel_series.__module__ == 'sglang.prefill_accel_series'; "
+            "e.log_prefill_accel_series(logging.getLogger('banner'))")
     proc = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
                           cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]

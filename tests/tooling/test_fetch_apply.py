@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 import subprocess
@@ -58,10 +59,24 @@ def test_apply_to_git_tree_commits_the_series_and_rejects_a_second_apply(targets
     stamp = json.loads((tree / target.package_path / STAMP_NAME).read_text())
     assert stamp["target"] == name and len(stamp["series_hash"]) == 12
     assert (tree / target.package_path / "prefill_accel_series.py").is_file()
+    assert_startup_hook(tree, target)
 
     before = tree_digest(tree)
     assert main(["apply", name, str(tree), "-q"]) == 4
     assert tree_digest(tree) == before
+
+
+def assert_startup_hook(tree, target) -> None:
+    """The engine file the series' first patch changes imports the adapter's log_series and calls it."""
+    first = Series(target.patch_dir(ROOT)).patches[0]
+    (engine_file,) = {f.path for f in first.files if f.path.endswith(".py") and "prefill_accel_series" not in f.path}
+    module = ast.parse((tree / engine_file).read_text())
+    glue = target.package + ".prefill_accel_series"
+    assert any(isinstance(node, ast.ImportFrom) and node.module == glue
+               and [(a.name, a.asname) for a in node.names] == [("log_series", "log_prefill_accel_series")]
+               for node in ast.walk(module)), f"{engine_file} does not import the startup hook"  # fmt: skip
+    assert any(isinstance(node, ast.Call) and getattr(node.func, "id", None) == "log_prefill_accel_series"
+               for node in ast.walk(module)), f"{engine_file} does not call the startup hook"  # fmt: skip
 
 
 def test_patches_applied_by_hand_are_detected_too(targets, tmp_path):

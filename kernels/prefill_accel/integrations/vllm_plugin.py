@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 
-BACKEND_NAME = "SPARSE_PREFILL"
+from ..flags import BACKEND_NAME
+
 # vLLM version -> (the module holding the enum of backend names, the enum, how the backend is chosen).
 SUPPORTED_VLLM_VERSIONS = {
-    "0.26.0": ("vllm.v1.attention.backends.registry", "AttentionBackendEnum", "--attention-backend SPARSE_PREFILL"),
-    "0.6.3.post1": ("vllm.attention.selector", "_Backend", "VLLM_ATTENTION_BACKEND=SPARSE_PREFILL"),
+    "0.26.0": ("vllm.v1.attention.backends.registry", "AttentionBackendEnum", f"--attention-backend {BACKEND_NAME}"),
+    "0.6.3.post1": ("vllm.attention.selector", "_Backend", f"VLLM_ATTENTION_BACKEND={BACKEND_NAME}"),
 }
 
 logger = logging.getLogger(__name__)

@@ -26,6 +26,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ..engine.banner import STAMP_NAME
 from ..errors import UsageError
 from ..progress import Progress
 from . import gitutil, journal
@@ -35,7 +36,6 @@ from .overlay import check_no_silent_replacement, overlay_files
 from .series import Patch, Series, content_hash
 from .targets import Target
 
-STAMP_NAME = "prefill_accel_series.json"
 GENERATED_TRAILER = "Prefill-Accel-Generated: overlay"
 _FAILED_AT_RE = re.compile(r"^error: patch failed: (?P<file>.+):(?P<line>\d+)$")
 _FILE_ERROR_RE = re.compile(r"^error: (?P<file>[^:]+): (?P<why>.+)$")

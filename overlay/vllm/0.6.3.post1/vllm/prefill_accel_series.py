@@ -1,31 +1,10 @@
-"""prefill-accel glue: report the applied prefill-accel patch series when the engine starts.
+"""prefill-accel adapter: the engine's startup log names the applied patch series (the build stamp that
+`prefill-accel apply` writes beside this file); the banner itself is prefill_accel.engine.banner's."""
 
-Placed by the prefill-accel overlay. `prefill-accel apply` writes the build stamp
-(prefill_accel_series.json) beside this file; the engine's startup log calls log_series().
-"""
-
-import json
-from importlib import metadata
 from pathlib import Path
 
-STAMP = Path(__file__).with_name("prefill_accel_series.json")
-
-
-def series_banner() -> str:
-    """One line: runtime version, series hash, target and patch count."""
-    try:
-        stamp = json.loads(STAMP.read_text())
-    except (OSError, ValueError):
-        stamp = {}
-    try:
-        version = metadata.version("prefill-accel")
-    except metadata.PackageNotFoundError:
-        version = "(runtime package not installed)"
-    return (
-        f"prefill-accel {version} patch series {stamp.get('series_hash', 'unknown')} applied "
-        f"({stamp.get('target', 'unknown target')}, {len(stamp.get('patches', []))} patch(es))"
-    )
+from prefill_accel.engine.banner import STAMP_NAME, series_banner
 
 
 def log_series(logger) -> None:
-    logger.info("%s", series_banner())
+    logger.info("%s", series_banner(Path(__file__).with_name(STAMP_NAME)))

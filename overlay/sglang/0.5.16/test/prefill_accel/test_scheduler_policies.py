@@ -12,6 +12,7 @@ from array import array
 from types import SimpleNamespace
 
 import pytest
+from prefill_accel.flags import SUFFIXES
 
 from sglang.srt.managers import srpf_order
 from sglang.srt.managers.decode_protection import PrefillStreak
@@ -22,6 +23,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+from sglang.srt.sparse_prefill import FACTS
 
 NOW = 1000.0
 
@@ -64,6 +66,14 @@ def test_flags_parse_into_server_args():
     assert (args.sparse_prefill_threshold, args.sparse_prefill_mean_correction) == (0.01, True)
     assert args.sparse_prefill_estimator == "exact"
     assert (args.max_consecutive_prefill_batches, args.schedule_policy, args.prefill_aging_s) == (3, "srpf", 12.5)
+
+
+def test_the_sparse_prefill_flags_help_is_the_runtimes():
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    help_text = " ".join(parser.format_help().split())
+    for suffix in SUFFIXES:
+        assert " ".join(FACTS.help(suffix).split()) in help_text, suffix
 
 
 def test_sparse_prefill_defaults_are_the_kernels():

@@ -312,6 +312,16 @@ def test_backend_is_named_in_the_registry():
     assert backend.get_class().get_name() == backend.name
 
 
+def test_the_flags_help_is_the_runtimes():
+    """vLLM builds --help from AttentionConfig's field docstrings: they say what the runtime's help says."""
+    from vllm.config.sparse_prefill import FACTS
+    from vllm.config.utils import get_attr_docs
+
+    docs = get_attr_docs(AttentionConfig)
+    for name in SPARSE_PREFILL_FIELDS:
+        assert " ".join(docs[name].split()) == FACTS.help(name.removeprefix("sparse_prefill_")), name
+
+
 def test_every_kernel_setting_has_a_flag_with_the_kernels_default():
     kernel_fields = {f for f in SparsePrefillConfig.__dataclass_fields__}
     flagged = {kernel_field(name.removeprefix("sparse_prefill_")) for name in SPARSE_PREFILL_FIELDS}

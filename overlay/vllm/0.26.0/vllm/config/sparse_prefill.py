@@ -1,28 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ``--sparse-prefill-*`` flags of the SPARSE_PREFILL attention backend: hand-off and startup check.
+"""prefill-accel adapter: the ``--sparse-prefill-*`` flags of the SPARSE_PREFILL attention backend.
 
 Placed by the prefill-accel overlay. The flags are ``AttentionConfig.sparse_prefill_*`` fields; this
-module hands them to the runtime (``prefill_accel.flags``, shared with the other engines: validation
-with the flag named in every error, the kernel's ``SparsePrefillConfig``) and logs the effective
-values once at startup.
+module reads them off the config and hands them to the runtime, whose startup check
+(``prefill_accel.engine.startup``: validation naming the flag, one log line) and help texts they share
+with the other engines.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from prefill_accel.flags import (
-    BACKEND_NAME,
-    FIELD_PREFIX,
-    SparsePrefillSettings,
-    changed_flags,
-    flag,
-    settings_from_flags,
-)
+from prefill_accel.engine.startup import EngineFacts, check_flags
+from prefill_accel.flags import BACKEND_NAME, FIELD_PREFIX, SparsePrefillSettings, flag, settings_from_flags
 
 from vllm.config.attention import AttentionConfig
 
-__all__ = ["BACKEND_NAME", "SPARSE_PREFILL_FIELDS", "check_sparse_prefill_flags", "flag", "sparse_prefill_settings"]
+__all__ = ["BACKEND_NAME", "FACTS", "SPARSE_PREFILL_FIELDS", "check_sparse_prefill_flags", "flag",
+           "sparse_prefill_settings"]  # fmt: skip
+
+FACTS = EngineFacts(
+    backend=BACKEND_NAME, selector="attention backend", select_hint=f"--attention-backend {BACKEND_NAME}",
+    dense="FlashAttention", dense_rest="decodes, shorter chunks and sliding-window layers",
+)  # fmt: skip
 
 SPARSE_PREFILL_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionConfig) if f.name.startswith(FIELD_PREFIX))
 """The AttentionConfig fields of the backend; each is also an EngineArgs field and a CLI flag."""
@@ -38,31 +38,10 @@ def sparse_prefill_settings(attention_config: AttentionConfig) -> SparsePrefillS
     return settings_from_flags(flag_values(attention_config))
 
 
-def uses_sparse_prefill(attention_config: AttentionConfig) -> bool:
-    """True when the backend, or a per-KV-cache-group backend, is SPARSE_PREFILL."""
-    backends = [attention_config.backend, *attention_config.backend_per_kind.values()]
-    return any(getattr(backend, "name", None) == BACKEND_NAME for backend in backends)
-
-
 def check_sparse_prefill_flags(attention_config: AttentionConfig, logger) -> SparsePrefillSettings | None:
-    """Startup check: with the SPARSE_PREFILL backend, validate the flags and log the effective values
-    once; without it, warn about flags that were changed (they have no effect)."""
-    if not uses_sparse_prefill(attention_config):
-        changed = changed_flags(flag_values(attention_config))
-        if changed:
-            logger.warning(
-                "%s set but the attention backend is %s; they only apply with --attention-backend %s",
-                ", ".join(changed),
-                getattr(attention_config.backend, "name", "auto"),
-                BACKEND_NAME,
-            )
-        return None
-    settings = sparse_prefill_settings(attention_config)
-    logger.info(
-        "%s attention: prefill chunks of >= %d tokens use block-sparse attention (%s); "
-        "decodes, shorter chunks and sliding-window layers use FlashAttention",
-        BACKEND_NAME,
-        settings.kernel.min_q_len,
-        settings.describe(),
-    )
-    return settings
+    """The runtime's startup check, with the backend selected when it, or a per-KV-cache-group backend,
+    is SPARSE_PREFILL."""
+    backends = [attention_config.backend, *attention_config.backend_per_kind.values()]
+    selected = any(getattr(backend, "name", None) == BACKEND_NAME for backend in backends)
+    return check_flags(flag_values(attention_config), selected, FACTS, logger,
+                       chosen=getattr(attention_config.backend, "name", "auto"))  # fmt: skip

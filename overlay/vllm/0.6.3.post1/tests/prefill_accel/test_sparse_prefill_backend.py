@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from prefill_accel import BatchLayout, reference  # noqa: E402
-from prefill_accel.flags import settings_from_flags  # noqa: E402
+from prefill_accel.flags import SUFFIXES, settings_from_flags  # noqa: E402
 
 
 def _reference_varlen(*, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, block_table, **_):
@@ -43,7 +43,7 @@ from vllm.attention.backends import sparse_prefill_attn  # noqa: E402
 from vllm.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadata  # noqa: E402
 from vllm.attention.selector import _Backend, backend_name_to_enum, get_attn_backend  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.sparse_prefill import check_sparse_prefill_flags  # noqa: E402
+from vllm.sparse_prefill import FACTS, check_sparse_prefill_flags  # noqa: E402
 
 PAGE, HEADS, KV_HEADS, HEAD_DIM = 16, 4, 2, 64
 # (query tokens, cached prefix) per request: a long continuation chunk, a short prefill, two decodes.
@@ -213,6 +213,12 @@ def test_flags_parse_validate_and_log(monkeypatch):
     log = Log()
     assert check_sparse_prefill_flags(args, log) is None
     assert log.lines[0][0] == "warning" and "--sparse-prefill-threshold" in log.lines[0][1]
+
+
+def test_the_flags_help_is_the_runtimes():
+    help_text = " ".join(EngineArgs.add_cli_args(argparse.ArgumentParser()).format_help().split())
+    for suffix in SUFFIXES:
+        assert " ".join(FACTS.help(suffix).split()) in help_text, suffix
 
 
 def test_engine_args_defaults_are_the_kernels():

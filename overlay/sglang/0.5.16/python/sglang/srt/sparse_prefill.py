@@ -1,27 +1,37 @@
-"""The ``--sparse-prefill-*`` flags of SGLang's ``sparse_prefill`` prefill attention backend: startup check.
+"""prefill-accel adapter: the ``--sparse-prefill-*`` flags of SGLang's ``sparse_prefill`` prefill attention backend.
 
-Placed by the prefill-accel overlay. The flags, names, defaults and meanings are those of the vLLM
-series (``prefill_accel.flags``); ServerArgs declares them with default_value()'s defaults and calls
-check_sparse_prefill_flags() while it validates its arguments. The backend itself is chosen with
-``--prefill-attention-backend sparse_prefill``: it computes extend (prefill) batches only, and
-hands short extends, the dense layers and decodes to a dense backend.
+Placed by the prefill-accel overlay. The flags, names, defaults, help and startup check are the
+runtime's (``prefill_accel.flags``, ``prefill_accel.engine.startup``), as on the vLLM series; ServerArgs
+declares them with default_value() and sparse_prefill_help() and calls
+check_sparse_prefill_flags() while it validates its arguments. The backend is chosen with
+``--prefill-attention-backend sparse_prefill``: it computes extend (prefill) batches only, and hands
+short extends, the dense layers and decodes to a dense backend.
 """
 
 from typing import Optional
 
+from prefill_accel.engine.startup import EngineFacts, check_flags
 from prefill_accel.flags import (
     BACKEND_NAME,
     FIELD_PREFIX,
     SUFFIXES,
     SparsePrefillSettings,
-    changed_flags,
     default_value,  # noqa: F401  (ServerArgs takes its field defaults from here)
     settings_from_flags,
 )
 
 BACKEND = BACKEND_NAME.lower()
+FACTS = EngineFacts(
+    backend=BACKEND, selector="prefill attention backend", select_hint=f"--prefill-attention-backend {BACKEND}",
+    dense="the dense backend", sparse_unit="extend batches holding a request", dense_rest="shorter extends and decodes",
+)  # fmt: skip
 # ServerArgs fields that must not name the backend: it has no decode path of its own.
 DENSE_ONLY_ARGS = ("attention_backend", "decode_attention_backend")
+
+
+def sparse_prefill_help(suffix: str) -> str:
+    """A flag's help, for its ServerArgs field."""
+    return FACTS.help(suffix)
 
 
 def flag_values(server_args) -> dict:
@@ -34,28 +44,12 @@ def settings_from_server_args(server_args) -> SparsePrefillSettings:
 
 
 def check_sparse_prefill_flags(server_args, logger) -> Optional[SparsePrefillSettings]:
-    """Validate and log the settings when the backend is selected; else warn about changed flags."""
+    """Refuse the backend where it cannot decode, then the runtime's startup check."""
     for name in DENSE_ONLY_ARGS:
         if getattr(server_args, name) == BACKEND:
             raise ValueError(
                 f"--{name.replace('_', '-')} {BACKEND}: the {BACKEND} backend computes prefills only; "
-                f"select it with --prefill-attention-backend {BACKEND} and keep a dense backend "
+                f"select it with {FACTS.select_hint} and keep a dense backend "
                 "(e.g. fa3, flashinfer, triton) in --attention-backend or --decode-attention-backend"
             )
-    values = flag_values(server_args)
-    if server_args.prefill_attention_backend != BACKEND:
-        changed = changed_flags(values)
-        if changed:
-            logger.warning(
-                "%s set but the prefill attention backend is not %s; they only apply with "
-                "--prefill-attention-backend %s",
-                ", ".join(changed), BACKEND, BACKEND,
-            )
-        return None
-    settings = settings_from_flags(values)
-    logger.info(
-        "%s prefill attention: extend batches holding a request of >= %d new tokens use block-sparse "
-        "attention (%s); shorter extends and decodes use the dense backend",
-        BACKEND, settings.kernel.min_q_len, settings.describe(),
-    )
-    return settings
+    return check_flags(flag_values(server_args), server_args.prefill_attention_backend == BACKEND, FACTS, logger)

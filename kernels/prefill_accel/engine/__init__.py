@@ -1,0 +1,7 @@
+"""Engine-neutral policy that every engine adapter (overlay/<engine>/<version>/) calls into, once.
+
+An adapter turns engine objects into the small views defined here and applies the decisions it gets
+back; nothing in this package imports an engine, and nothing here calls back into one. Modules:
+  banner   the startup line naming the prefill-accel series a patched engine carries
+  startup  the startup check of the --sparse-prefill-* flags and their help, in each engine's words
+"""

@@ -1,0 +1,82 @@
+"""prefill_accel.engine: the engine-neutral policy the adapters call into."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from prefill_accel import SparsePrefillConfig
+from prefill_accel.engine.banner import STAMP_NAME, series_banner
+from prefill_accel.engine.startup import EngineFacts, check_flags
+from prefill_accel.flags import HELP, SUFFIXES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_banner_names_the_series_from_the_stamp(tmp_path):
+    stamp = tmp_path / STAMP_NAME
+    stamp.write_text(json.dumps({"target": "vllm-0.26.0", "series_hash": "0123456789ab", "patches": ["a", "b"]}))
+    banner = series_banner(stamp)
+    assert banner.startswith("prefill-accel ") and "patch series 0123456789ab applied (vllm-0.26.0, 2 patch(es))" in banner
+
+
+def test_the_banner_says_unknown_without_a_readable_stamp(tmp_path):
+    assert "patch series unknown applied (unknown target, 0 patch(es))" in series_banner(tmp_path / "missing.json")
+    (tmp_path / STAMP_NAME).write_text("{not json")
+    assert "unknown target" in series_banner(tmp_path / STAMP_NAME)
+
+
+def test_an_adapter_logs_the_banner_once(tmp_path, caplog):
+    """What each overlay's prefill_accel_series.log_series does, loaded from one of them."""
+    source = ROOT / "overlay" / "vllm" / "0.26.0" / "vllm" / "prefill_accel_series.py"
+    (tmp_path / "prefill_accel_series.py").write_text(source.read_text())
+    (tmp_path / STAMP_NAME).write_text(json.dumps({"target": "t", "series_hash": "feedfacecafe", "patches": ["p"]}))
+    spec = importlib.util.spec_from_file_location("adapter_under_test", tmp_path / "prefill_accel_series.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with caplog.at_level(logging.INFO, logger="banner-test"):
+        module.log_series(logging.getLogger("banner-test"))
+    assert [r.getMessage() for r in caplog.records] == [series_banner(tmp_path / STAMP_NAME)]
+    assert "feedfacecafe applied (t, 1 patch(es))" in caplog.records[0].getMessage()
+
+
+FACTS = EngineFacts(backend="SPARSE_PREFILL", selector="attention backend", select_hint="--attention-backend SPARSE_PREFILL",
+                    dense="FlashAttention")  # fmt: skip
+
+
+def test_the_startup_check_logs_the_effective_values_once_with_the_backend(caplog):
+    logger = logging.getLogger("startup-test")
+    with caplog.at_level(logging.INFO, logger="startup-test"):
+        settings = check_flags({"threshold": 0.01, "min_len": 8192}, True, FACTS, logger)
+    assert (settings.kernel.threshold, settings.kernel.min_q_len) == (0.01, 8192)
+    [record] = caplog.records
+    assert record.levelname == "INFO" and "prefill chunks of >= 8192 tokens use block-sparse attention" in record.getMessage()
+    assert "--sparse-prefill-threshold=0.01" in record.getMessage()
+    assert record.getMessage().endswith("decodes and shorter chunks use FlashAttention")
+
+
+def test_the_startup_check_warns_about_changed_flags_without_the_backend_and_is_quiet_otherwise(caplog):
+    logger = logging.getLogger("startup-test")
+    with caplog.at_level(logging.INFO, logger="startup-test"):
+        assert check_flags({"threshold": SparsePrefillConfig().threshold}, False, FACTS, logger) is None
+        assert caplog.records == []
+        assert check_flags({"threshold": 0.01, "min_len": 8192}, False, FACTS, logger, chosen="FLASH_ATTN") is None
+    [record] = caplog.records
+    assert record.levelname == "WARNING"
+    assert record.getMessage() == ("--sparse-prefill-threshold, --sparse-prefill-min-len set but the attention backend "
+                                   "is FLASH_ATTN; they only apply with --attention-backend SPARSE_PREFILL")  # fmt: skip
+
+
+def test_a_bad_value_fails_the_startup_check_naming_its_flag():
+    with pytest.raises(ValueError, match="--sparse-prefill-block-size"):
+        check_flags({"block_size": 100}, True, FACTS, logging.getLogger("startup-test"))
+
+
+def test_every_flag_has_one_help_text_in_the_engines_words():
+    assert set(HELP) == set(SUFFIXES)
+    assert FACTS.help("dense_layers") == "SPARSE_PREFILL backend: the first N attention layers always use FlashAttention."
+    assert all(FACTS.help(suffix).endswith(".") and "{" not in FACTS.help(suffix) for suffix in SUFFIXES)
