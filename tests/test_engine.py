@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -11,8 +12,9 @@ import pytest
 
 from prefill_accel import SparsePrefillConfig
 from prefill_accel.engine.banner import STAMP_NAME, series_banner
+from prefill_accel.engine.layers import LayerTraits, dense_reason
 from prefill_accel.engine.startup import EngineFacts, check_flags
-from prefill_accel.flags import HELP, SUFFIXES
+from prefill_accel.flags import HELP, SUFFIXES, settings_from_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,3 +82,27 @@ def test_every_flag_has_one_help_text_in_the_engines_words():
     assert set(HELP) == set(SUFFIXES)
     assert FACTS.help("dense_layers") == "SPARSE_PREFILL backend: the first N attention layers always use FlashAttention."
     assert all(FACTS.help(suffix).endswith(".") and "{" not in FACTS.help(suffix) for suffix in SUFFIXES)
+
+
+def test_a_layer_stays_dense_for_the_first_reason_that_applies():
+    settings = settings_from_flags({"dense_layers": 2})
+    plain = LayerTraits(head_size=128, index=5, name="model.layers.5.self_attn.attn")
+    assert dense_reason(plain, settings) is None
+    cases = [
+        (dict(attention_type="ENCODER"), "attention type ENCODER (the kernel computes causal self-attention)"),
+        (dict(sliding_window=512, alibi=True), "sliding window of 512"),
+        (dict(chunked_local=True), "chunked local attention (iRoPE)"),
+        (dict(alibi=True), "ALiBi"),
+        (dict(soft_cap=True), "logit soft-capping"),
+        (dict(sinks=True), "attention sinks"),
+        (dict(quantized_kv="fp8_e4m3"), "KV cache dtype fp8_e4m3"),
+        (dict(context_parallel=True), "decode context parallelism"),
+        (dict(v_head_size=64), "K head size 128 != V head size 64"),
+        (dict(head_size=96), "head size 96 (the kernel has (64, 128, 256))"),
+        (dict(index=1), "layer 1 < --sparse-prefill-dense-layers=2"),
+        (dict(index=None), "no layer index in 'model.layers.5.self_attn.attn'"),
+    ]
+    for changes, reason in cases:
+        assert dense_reason(dataclasses.replace(plain, **changes), settings) == reason, changes
+    assert dense_reason(dataclasses.replace(plain, index=None), settings_from_flags({})) is None  # no index needed
+    assert dense_reason(plain, None).startswith("no settings")

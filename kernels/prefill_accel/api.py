@@ -9,11 +9,10 @@ import warnings
 import torch
 
 from . import reference, stats
-from .config import SparsePrefillConfig
+from .config import SUPPORTED_HEAD_DIMS, SparsePrefillConfig
 from .layout import BatchLayout, BlockIndex, causal_block_count
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 _warned: set[str] = set()
 _cudnn_refused = False  # set once cuDNN attention raised: later dense batches use the kernel directly

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 
 SUPPORTED_BLOCK_SIZES = (64, 128, 256)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+"""Head sizes the Triton kernels take; others go to the dense fallback (the public functions)."""
 ESTIMATORS = ("pooled", "bound", "mixed", "exact")
 EXACT_ROWS = (1, 2, 4, 8)
 

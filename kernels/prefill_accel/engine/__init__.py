@@ -4,4 +4,5 @@ An adapter turns engine objects into the small views defined here and applies th
 back; nothing in this package imports an engine, and nothing here calls back into one. Modules:
   banner   the startup line naming the prefill-accel series a patched engine carries
   startup  the startup check of the --sparse-prefill-* flags and their help, in each engine's words
+  layers   which attention layers may go sparse (LayerTraits in, the reason a layer stays dense out)
 """

@@ -19,8 +19,8 @@ from typing import Optional, Tuple, Type
 
 import torch
 from prefill_accel import sparse_prefill_attention
-from prefill_accel.api import SUPPORTED_HEAD_DIMS
-from prefill_accel.flags import BACKEND_NAME, SparsePrefillSettings, flag
+from prefill_accel.engine.layers import LayerTraits, dense_reason
+from prefill_accel.flags import BACKEND_NAME, SparsePrefillSettings
 from prefill_accel.runs import RequestRun, split_long_prefills, with_layouts
 
 from vllm import _custom_ops as ops
@@ -56,34 +56,22 @@ class SparsePrefillAttentionImpl(FlashAttentionImpl):
     def configure_sparse_prefill(self,
                                  settings: Optional[SparsePrefillSettings],
                                  layer_name: str) -> None:
-        """Called by the Attention layer with the engine's settings and the layer's name."""
+        """Called by the Attention layer with the engine's settings and the layer's name: the runtime
+        decides whether the layer may go sparse."""
         self.settings = settings
-        self.dense_reason = self._dense_reason(layer_name)
+        index = _LAYER_INDEX.search(f".{layer_name}.")
+        traits = LayerTraits(
+            head_size=self.head_size,
+            index=int(index.group(1)) if index else None,
+            name=layer_name,
+            alibi=self.alibi_slopes is not None,
+            soft_cap=bool(self.logits_soft_cap),
+            quantized_kv=(None if self.kv_cache_dtype == "auto" else
+                          self.kv_cache_dtype))
+        self.dense_reason = dense_reason(traits, settings)
         if self.dense_reason is not None:
             logger.debug("%s: layer %s stays dense: %s", BACKEND_NAME,
                          layer_name, self.dense_reason)
-
-    def _dense_reason(self, layer_name: str) -> Optional[str]:
-        """Why every step of this layer stays on FlashAttention, or None."""
-        if self.settings is None:
-            return "no settings (engine created without the flags check)"
-        if self.alibi_slopes is not None:
-            return "ALiBi"
-        if self.logits_soft_cap:
-            return "logit soft-capping"
-        if self.kv_cache_dtype != "auto":
-            return f"KV cache dtype {self.kv_cache_dtype}"
-        if self.head_size not in SUPPORTED_HEAD_DIMS:
-            return (f"head size {self.head_size} (the kernel has "
-                    f"{SUPPORTED_HEAD_DIMS})")
-        if self.settings.dense_layers:
-            match = _LAYER_INDEX.search(f".{layer_name}.")
-            if match is None:
-                return f"no layer index in {layer_name!r}"
-            if int(match.group(1)) < self.settings.dense_layers:
-                return (f"layer {match.group(1)} < {flag('dense_layers')}="
-                        f"{self.settings.dense_layers}")
-        return None
 
     def forward(
         self,

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from prefill_accel import BatchLayout, sparse_prefill_attention
-from prefill_accel.api import SUPPORTED_HEAD_DIMS
+from prefill_accel.engine.layers import LayerTraits, dense_reason
 
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.config.sparse_prefill import BACKEND_NAME, flag, sparse_prefill_settings
+from vllm.config.sparse_prefill import BACKEND_NAME, sparse_prefill_settings
 from vllm.logger import init_logger
 from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
@@ -118,43 +118,28 @@ class SparsePrefillAttentionImpl(FlashAttentionImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.settings = sparse_prefill_settings(get_current_vllm_config().attention_config)
-        self.dense_reason = self._dense_reason()
+        self.dense_reason: str | None = None
         self._layer_checked = False
 
-    def _dense_reason(self) -> str | None:
-        """Why every step of this layer stays on FlashAttention, or None when long prefills may go sparse."""
-        if self.attn_type != AttentionType.DECODER:
-            return f"attention type {self.attn_type}"
-        if self.sliding_window != (-1, -1):
-            return f"sliding window {self.sliding_window[0] + 1}"
-        if self.alibi_slopes is not None:
-            return "ALiBi"
-        if self.logits_soft_cap:
-            return "logit soft-capping"
-        if self.sinks is not None:
-            return "attention sinks"
-        if is_quantized_kv_cache(self.kv_cache_dtype):
-            return f"KV cache dtype {self.kv_cache_dtype}"
-        if self.dcp_world_size > 1:
-            return "decode context parallelism"
-        if self.head_size not in SUPPORTED_HEAD_DIMS:
-            return f"head size {self.head_size} (the kernel has {SUPPORTED_HEAD_DIMS})"
-        return None
-
     def _check_layer(self, layer: torch.nn.Module) -> None:
-        """Keep the first --sparse-prefill-dense-layers layers dense (the layer index is known only here)."""
+        """The runtime's decision for this layer, made at its first forward, where its name (and so its
+        index, for --sparse-prefill-dense-layers) is known."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         self._layer_checked = True
-        if self.dense_reason is not None or not self.settings.dense_layers:
-            return
         try:
             index = extract_layer_index(layer.layer_name)
         except (AssertionError, ValueError):
-            self.dense_reason = f"no layer index in {layer.layer_name!r}"
-        else:
-            if index < self.settings.dense_layers:
-                self.dense_reason = f"layer {index} < {flag('dense_layers')}={self.settings.dense_layers}"
+            index = None
+        traits = LayerTraits(
+            head_size=self.head_size, index=index, name=layer.layer_name,
+            attention_type=None if self.attn_type == AttentionType.DECODER else str(self.attn_type),
+            sliding_window=None if self.sliding_window == (-1, -1) else self.sliding_window[0] + 1,
+            alibi=self.alibi_slopes is not None, soft_cap=bool(self.logits_soft_cap), sinks=self.sinks is not None,
+            quantized_kv=self.kv_cache_dtype if is_quantized_kv_cache(self.kv_cache_dtype) else None,
+            context_parallel=self.dcp_world_size > 1,
+        )  # fmt: skip
+        self.dense_reason = dense_reason(traits, self.settings)
         if self.dense_reason is not None:
             logger.debug("%s: layer %s stays dense: %s", BACKEND_NAME, layer.layer_name, self.dense_reason)
 

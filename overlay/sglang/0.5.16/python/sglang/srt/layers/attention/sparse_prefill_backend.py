@@ -29,8 +29,8 @@ from typing import Dict, Optional
 
 import torch
 from prefill_accel import sparse_prefill_attention
-from prefill_accel.api import SUPPORTED_HEAD_DIMS
-from prefill_accel.flags import SparsePrefillSettings, flag
+from prefill_accel.engine.layers import LayerTraits, dense_reason
+from prefill_accel.flags import SparsePrefillSettings
 from prefill_accel.layout import BatchLayout
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -140,22 +140,15 @@ class SparsePrefillAttnBackend(AttentionBackend):
         return self._layer_reasons[layer.layer_id]
 
     def _layer_reason(self, layer) -> Optional[str]:
-        dense_layers = self.settings.dense_layers
-        if layer.layer_id < dense_layers:
-            return f"layer {layer.layer_id} < {flag('dense_layers')}={dense_layers}"
-        if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
-            return f"sliding window of {layer.sliding_window_size}"
-        if layer.use_irope:
-            return "chunked local attention (iRoPE)"
-        if layer.logit_cap:
-            return "logit soft-capping"
-        if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
-            return "not causal self-attention"
-        if layer.qk_head_dim != layer.v_head_dim:
-            return f"K head size {layer.qk_head_dim} != V head size {layer.v_head_dim}"
-        if layer.qk_head_dim not in SUPPORTED_HEAD_DIMS:
-            return f"head size {layer.qk_head_dim} (the kernel has {SUPPORTED_HEAD_DIMS})"
-        return None
+        causal = not layer.is_cross_attention and layer.attn_type == AttentionType.DECODER
+        window = layer.sliding_window_size
+        traits = LayerTraits(
+            head_size=layer.qk_head_dim, index=layer.layer_id, name=f"layer {layer.layer_id}",
+            attention_type=None if causal else ("cross-attention" if layer.is_cross_attention else str(layer.attn_type)),
+            sliding_window=window if window is not None and window > -1 else None, chunked_local=bool(layer.use_irope),
+            soft_cap=bool(layer.logit_cap), v_head_size=layer.v_head_dim,
+        )  # fmt: skip
+        return dense_reason(traits, self.settings)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch):
         self.dense.init_forward_metadata(forward_batch)
