@@ -204,8 +204,9 @@ def test_batch_stops_at_once_when_interrupted_and_still_logs_and_summarises(tmp_
     with StubServer(ttft_base=30.0) as stub:  # every answer would take 30 s
         command = [sys.executable, "-m", "prefill_accel.cli", "batch", "-q", str(tmp_path / "in"), str(out), "--url",
                    stub.url, "--model", MODEL, "--concurrency", "2"]  # fmt: skip
+        # SIGINT as a terminal delivers it: a background job's inherited SIG_IGN would stay (Python keeps it).
         process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   start_new_session=True)  # fmt: skip
+                                   start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
         deadline = time.monotonic() + 60
         while len(stub.state.log) < 2:
             assert time.monotonic() < deadline and process.poll() is None

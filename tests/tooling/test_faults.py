@@ -67,12 +67,19 @@ def fake_git(tmp_path) -> Path:
     return folder
 
 
+def default_signals() -> None:
+    """In the child: SIGINT, SIGTERM and SIGHUP as a terminal session has them, whatever the test runner
+    inherited (a background job ignores SIGINT, nohup SIGHUP, and an ignored signal stays ignored)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def cli(args: list[str], fake_git: Path, **fault: str) -> subprocess.CompletedProcess:
     """The CLI in a process (and process group) of its own, with the faulty git first on PATH."""
     env = {**os.environ, "PATH": f"{fake_git}{os.pathsep}{os.environ['PATH']}", "PREFILL_ACCEL_ROOT": str(ROOT),
            "PYTHONPATH": str(ROOT / "kernels"), "FAULT_FIRED": str(fake_git / "fired"), **fault}
     return subprocess.run([sys.executable, "-m", "prefill_accel.cli", *args], env=env, capture_output=True,
-                          text=True, start_new_session=True, timeout=600)
+                          text=True, start_new_session=True, preexec_fn=default_signals, timeout=600)
 
 
 def reference_head(tmp_path) -> str:
@@ -157,6 +164,18 @@ def test_a_signal_during_apply_to_an_installed_package_restores_every_file(tmp_p
     with pytest.raises(Interrupted, match="SIGINT received"):
         apply(targets.resolve(TARGET), site, ROOT, QUIET)
     assert tree_digest(site) == before and leftovers(site) == []
+
+
+def test_a_signal_the_process_ignores_stays_ignored(tmp_path, monkeypatch, targets):
+    """Started with SIGINT ignored (nohup, a background job), apply does not start acting on it."""
+    site = installed_copy(tmp_path, "site")
+    monkeypatch.setattr(journal, "write_file", write_then(lambda: os.kill(os.getpid(), signal.SIGINT), after=3))
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        apply(targets.resolve(TARGET), site, ROOT, QUIET)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert (site / "vllm" / "prefill_accel_series.json").is_file() and leftovers(site) == []
 
 
 def test_a_rerun_after_apply_to_an_installed_package_was_killed_restores_then_finishes(tmp_path, targets):

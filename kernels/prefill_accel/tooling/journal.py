@@ -48,7 +48,8 @@ class _HeldSignals:
     def __enter__(self) -> "_HeldSignals":
         if threading.current_thread() is threading.main_thread():
             for sig in HELD_SIGNALS:
-                self._previous[sig] = signal.signal(sig, lambda number, frame: self.received.append(number))
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup, a background job) stays so
+                    self._previous[sig] = signal.signal(sig, lambda number, frame: self.received.append(number))
         return self
 
     def __exit__(self, *exc) -> None:
