@@ -9,12 +9,15 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from prefill_accel import SparsePrefillConfig
 from prefill_accel.engine.banner import STAMP_NAME, series_banner
 from prefill_accel.engine.layers import LayerTraits, dense_reason
 from prefill_accel.engine.startup import EngineFacts, check_flags
 from prefill_accel.flags import HELP, SUFFIXES, settings_from_flags
+from prefill_accel.layout import BatchLayout
+from prefill_accel.runs import split_long_prefills
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,3 +109,17 @@ def test_a_layer_stays_dense_for_the_first_reason_that_applies():
         assert dense_reason(dataclasses.replace(plain, **changes), settings) == reason, changes
     assert dense_reason(dataclasses.replace(plain, index=None), settings_from_flags({})) is None  # no index needed
     assert dense_reason(plain, None).startswith("no settings")
+
+
+def test_every_router_asks_the_config_which_chunks_are_long():
+    """The engines' batch split (runs) and the block layout route a step the same way: one predicate."""
+    config = SparsePrefillConfig(block_size=64, min_q_len=128, last_query_blocks=0)
+    q_lens, k_lens = [127, 128, 300], [127, 400, 300]
+    cu = torch.tensor([0, 127, 255, 555], dtype=torch.int32)
+    runs = split_long_prefills(cu, 3, config)
+    assert [(run.req_start, run.req_end, run.sparse) for run in runs] == [(0, 1, False), (1, 3, True)]
+    assert [config.long_chunk(q) for q in q_lens] == [False, True, True]
+    layout = BatchLayout.build(cu, torch.tensor(k_lens, dtype=torch.int32), config, "cpu")
+    dense = layout.qblock_dense.tolist()
+    starts = layout.seq_qblock_start
+    assert all(dense[starts[0]:starts[1]]) and not any(dense[starts[1]:starts[3]])

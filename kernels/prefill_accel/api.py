@@ -257,7 +257,7 @@ def _cudnn_route_applies(q, config: SparsePrefillConfig, q_lens, k_lens) -> bool
     if not q.is_cuda or _cudnn_refused:
         return False
     fresh = all(qn == kn for qn, kn in zip(q_lens, k_lens))
-    return fresh and (config.is_dense or all(qn < config.min_q_len for qn in q_lens))
+    return fresh and (config.is_dense or not any(config.long_chunk(qn) for qn in q_lens))
 
 
 def sparse_prefill_attention(

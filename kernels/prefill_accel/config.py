@@ -92,6 +92,12 @@ class SparsePrefillConfig:
                 f"block of {self.block_size}; use a smaller stride"
             )
 
+    def long_chunk(self, q_len: int) -> bool:
+        """Whether a sequence with ``q_len`` queries in a step takes the sparse path (at least
+        ``min_q_len``); a shorter one is computed dense. Every router (the engines' batch splits, the
+        block layout, the dense route of the public function) asks this one question."""
+        return q_len >= self.min_q_len
+
     @property
     def is_dense(self) -> bool:
         """True when the configuration keeps every causal block (exact dense attention)."""

@@ -40,30 +40,33 @@ class RequestRun:
         return slice(self.req_start, self.req_end)
 
 
-def split_long_prefills(query_start_loc_cpu: torch.Tensor, num_reqs: int, min_len: int) -> tuple[RequestRun, ...] | None:
+def split_long_prefills(query_start_loc_cpu: torch.Tensor, num_reqs: int,
+                        config: SparsePrefillConfig) -> tuple[RequestRun, ...] | None:  # fmt: skip
     """Cut a batch into runs of requests for the dense path and for the sparse path.
 
     Args:
         query_start_loc_cpu: (num_reqs + 1,) int32 CPU tensor, the query offsets of the requests
             (vLLM's ``CommonAttentionMetadata.query_start_loc_cpu``; may be longer when padded).
         num_reqs: the number of real requests.
-        min_len: a request whose query length in this step is at least this goes sparse.
+        config: the kernel's configuration; a request whose query length in this step is a long chunk
+            (``config.long_chunk``) goes sparse.
 
     Returns:
-        The runs in batch order, covering every request once, or None when no request reaches
-        ``min_len`` (decode-only and short batches run upstream's path untouched).
+        The runs in batch order, covering every request once, or None when no request is a long
+        chunk (decode-only and short batches run upstream's path untouched).
     """
     starts = query_start_loc_cpu[: num_reqs + 1].tolist()
     query_lens = [end - start for start, end in zip(starts, starts[1:])]
-    if not any(q_len >= min_len for q_len in query_lens):
+    long = [config.long_chunk(q_len) for q_len in query_lens]
+    if not any(long):
         return None
     runs: list[RequestRun] = []
     run_start = 0
     for req in range(1, num_reqs + 1):
-        if req == num_reqs or (query_lens[req] >= min_len) != (query_lens[run_start] >= min_len):
+        if req == num_reqs or long[req] != long[run_start]:
             runs.append(
                 RequestRun(
-                    sparse=query_lens[run_start] >= min_len,
+                    sparse=long[run_start],
                     req_start=run_start,
                     req_end=req,
                     token_start=starts[run_start],

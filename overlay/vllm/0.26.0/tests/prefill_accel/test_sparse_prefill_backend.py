@@ -41,6 +41,7 @@ TREE = Path(__file__).resolve().parents[2]
 HEAD_DIM = 64
 PAGE = 16
 MIN_LEN = 64  # the smallest block size, so a tiny batch still has a long prefill
+SPLIT = SparsePrefillConfig(block_size=64, min_q_len=MIN_LEN)  # what the builder splits a step by
 # (q_len, prefix_len): decode, decode, short prefill, long continuation over a cached prefix,
 # fresh long prefill, short continuation.
 MIXED_BATCH = [(1, 39), (1, 76), (20, 0), (70, 100), (130, 0), (5, 60)]
@@ -55,7 +56,7 @@ def cu(lengths):
 
 def test_split_cuts_the_batch_into_runs_in_order():
     q_lens = [q for q, _ in MIXED_BATCH]
-    runs = split_long_prefills(cu(q_lens), len(q_lens), MIN_LEN)
+    runs = split_long_prefills(cu(q_lens), len(q_lens), SPLIT)
     assert runs == (
         RequestRun(sparse=False, req_start=0, req_end=3, token_start=0, token_end=22, max_query_len=20),
         RequestRun(sparse=True, req_start=3, req_end=5, token_start=22, token_end=222, max_query_len=130),
@@ -64,9 +65,9 @@ def test_split_cuts_the_batch_into_runs_in_order():
 
 
 def test_split_leaves_short_batches_to_upstream_and_ignores_padding():
-    assert split_long_prefills(cu([1, 1, 63]), 3, MIN_LEN) is None
+    assert split_long_prefills(cu([1, 1, 63]), 3, SPLIT) is None
     padded = torch.cat([cu([64, 1]), torch.tensor([65, 65], dtype=torch.int32)])
-    assert split_long_prefills(padded, 2, MIN_LEN) == (
+    assert split_long_prefills(padded, 2, SPLIT) == (
         RequestRun(sparse=True, req_start=0, req_end=1, token_start=0, token_end=64, max_query_len=64),
         RequestRun(sparse=False, req_start=1, req_end=2, token_start=64, token_end=65, max_query_len=1),
     )
@@ -114,7 +115,7 @@ def metadata_for(batch, block_table, seq_lens, min_len=MIN_LEN, layouts_for=None
     sparse runs carry their host-built layouts, as in the engine."""
     q_lens = [q for q, _ in batch]
     query_start_loc = cu(q_lens)
-    runs = split_long_prefills(query_start_loc, len(batch), min_len)
+    runs = split_long_prefills(query_start_loc, len(batch), SPLIT.replace(min_q_len=min_len))
     if layouts_for is not None:
         runs = with_layouts(runs, query_start_loc, seq_lens, layouts_for, torch.device("cpu"))
     return sparse_prefill_attn.SparsePrefillMetadata(
@@ -289,14 +290,14 @@ def test_builder_hands_back_upstreams_metadata_for_steps_without_a_long_prefill(
     upstream = object()
     monkeypatch.setattr(sparse_prefill_attn.FlashAttentionMetadataBuilder, "build", lambda self, *args, **kwargs: upstream)
     builder = sparse_prefill_attn.SparsePrefillMetadataBuilder.__new__(sparse_prefill_attn.SparsePrefillMetadataBuilder)
-    builder.min_len = MIN_LEN
+    builder.kernel_config = SPLIT
     step = types.SimpleNamespace(max_query_len=MIN_LEN - 1)
     assert builder.build(0, step) is upstream
 
 
 def test_builder_turns_cascade_attention_off_for_steps_with_a_long_prefill():
     builder = sparse_prefill_attn.SparsePrefillMetadataBuilder.__new__(sparse_prefill_attn.SparsePrefillMetadataBuilder)
-    builder.min_len = MIN_LEN
+    builder.kernel_config = SPLIT
     kwargs = dict(num_query_heads=32, num_kv_heads=8, use_alibi=False, use_sliding_window=False,
                   use_local_attention=False, num_sms=132, dcp_world_size=1)
     assert not builder.use_cascade_attention(common_prefix_len=4096, query_lens=np.array([1] * 40 + [MIN_LEN]), **kwargs)

@@ -78,7 +78,6 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
     ):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.kernel_config = sparse_prefill_settings(vllm_config.attention_config).kernel
-        self.min_len = self.kernel_config.min_q_len
 
     def build(
         self,
@@ -90,9 +89,9 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
         decode step, every short prefill); with one, upstream's fields plus the step's runs."""
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         runs = None
-        if common_attn_metadata.max_query_len >= self.min_len:
+        if self.kernel_config.long_chunk(common_attn_metadata.max_query_len):
             runs = split_long_prefills(
-                common_attn_metadata.query_start_loc_cpu, common_attn_metadata.num_reqs, self.min_len
+                common_attn_metadata.query_start_loc_cpu, common_attn_metadata.num_reqs, self.kernel_config
             )
         if runs is None:
             return metadata
@@ -109,7 +108,7 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
 
     def use_cascade_attention(self, common_prefix_len: int, query_lens: np.ndarray, **kwargs) -> bool:
         # Cascade attention runs the whole step as one shared-prefix pass, which cannot be split by request.
-        if len(query_lens) and int(query_lens.max()) >= self.min_len:
+        if len(query_lens) and self.kernel_config.long_chunk(int(query_lens.max())):
             return False
         return super().use_cascade_attention(common_prefix_len=common_prefix_len, query_lens=query_lens, **kwargs)
 

@@ -70,7 +70,7 @@ def sparse_batch(
     extend_lens = forward_batch.extend_seq_lens_cpu
     if extend_lens is None or forward_batch.seq_lens_cpu is None:
         return None
-    if max(extend_lens, default=0) < settings.kernel.min_q_len:
+    if not any(settings.kernel.long_chunk(n) for n in extend_lens):
         return None
     device = forward_batch.req_pool_indices.device
     seq_lens_cpu = forward_batch.seq_lens_cpu.to(torch.int32)
