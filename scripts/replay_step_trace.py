@@ -7,7 +7,7 @@ prefill chunk, prefill chunks only) and chunk size, with the measured and predic
 the median relative error. With --capture-size N the chunk sizes are split at N tokens, where vLLM stops
 replaying CUDA graphs (its largest capture size).
 
-  python scripts/replay_step_trace.py docs/e2e/vllm-0.26.0-h200-2026-12-01-run10-steps.jsonl.gz
+  python scripts/replay_step_trace.py docs/results/e2e/vllm-0.26.0-h200-2026-12-01-run10-steps.jsonl.gz
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 process, three rounds: every part back to back (eight calls per timing, the host running ahead), as
 one call from an idle GPU, and its host time. Compares K/V layouts and GQA handling for cuDNN, ways
 to gather the pages (torch, the TMA staging kernel, Triton gathers that also repeat the KV heads),
-and splitting the heads over two streams. Raw results: docs/bench/dense-route-8k-h200-2026-12-01.md.
+and splitting the heads over two streams. Raw results: docs/results/bench/dense-route-8k-h200-2026-12-01.md.
 
   python3 scripts/experiments/dense_route_8k.py
 """

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
 import bench_kernels  # noqa: E402
 from prefill_accel import BatchLayout, SparsePrefillConfig, triton_kernels  # noqa: E402
 
-# The launch shapes timed beside the default ({}); docs/bench/search-launch-h200-2026-12-01.md has them all.
+# The launch shapes timed beside the default ({}); docs/results/bench/search-launch-h200-2026-12-01.md has them all.
 VARIANTS = [{}] + [{"num_warps": warps, "BLOCK_J": tile} for warps in (2, 4, 8) for tile in (32, 64, 128)]
 
 
