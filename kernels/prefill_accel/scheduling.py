@@ -24,15 +24,16 @@ from typing import TypeVar
 Request = TypeVar("Request")
 
 # Weight of older steps per new step of the same kind: ~100 steps of memory. A prefill whose context
-# grows every step is followed by the pair and key terms, not by forgetting; at ~20 steps noisy step
-# times (simulated log-normal jitter 0.5) moved the fitted fixed prefill cost between 0.6 and 3.7 ms.
+# grows every step is followed by the pair and key terms, not by forgetting; a memory of ~20 steps let
+# noisy step times move the fitted fixed prefill cost several-fold (docs/scheduler.md, Simulation).
 FORGETTING = 0.99
 # Weight, in steps, of the prefill fit's prior that the fixed cost of a prefill step is zero. Under a
 # latency target every step takes about the target, so its chunks are of about one size and the data
-# cannot tell the fixed cost from the per-token cost; unanchored, an inconsistent step once put 35 ms on
-# the fixed cost and nearly nothing per token, and a whole 8K chunk went into a 60 ms step (294 ms,
-# simulated). With the prior such data charges per token, which prices small chunks low: they get
-# scheduled, and their times separate the two. Varied chunk sizes outweigh it within a few steps.
+# cannot tell the fixed cost from the per-token cost; unanchored, one inconsistent step could put the
+# whole cost on the fixed term and let a whole 8K chunk into a step several times over the target
+# (simulated, docs/scheduler.md). With the prior such data charges per token, which prices small chunks
+# low: they get scheduled, and their times separate the two. Varied chunk sizes outweigh it within a
+# few steps.
 PREFILL_STEP_PRIOR = 0.1
 # Decode-only steps observed before the model may cap prefills (three coefficients need a few points).
 WARMUP_STEPS = 4
@@ -234,7 +235,7 @@ class StepTimeModel:
     ``p0`` is what carrying any prefill chunk costs a step by itself: engines replay a decode-only
     batch as one captured CUDA graph and run a step with a prefill chunk piecewise or eagerly. In one
     model with the decode steps that cost had no term of its own and landed on the per-token one
-    (20-45 us per token on the H200, where a whole 8K prompt takes under 6 us per token), so chat
+    (several times what a token of a whole prompt costs, docs/scheduler.md), so chat
     prompts were cut into small chunks. ``keys`` is the context the prefill chunks read before their
     own tokens (each chunk its request's computed tokens): a chunk of a few queries at a long context
     costs about what reading that context costs, because prefill attention kernels parallelise over

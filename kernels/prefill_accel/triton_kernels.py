@@ -40,21 +40,20 @@ MIN_EXACT_SPLIT_BLOCKS = 8  # 1K keys at block 128: enough walk per range to pay
 
 
 # Tile shapes (BLOCK_M, BLOCK_N, warps, stages) of the attention kernel. Rows gathered through the
-# page table (pointer reads) and rows brought by bulk tensor copies (TMA) favour different shapes:
-# on the H200 at head_dim 128 the TMA kernel ran best with one warpgroup per 128 query rows.
+# page table (pointer reads) and rows brought by bulk tensor copies (TMA) favour different shapes: with
+# TMA one warpgroup per 128 query rows was best at head_dim 128 (docs/benchmarks.md, Reading K/V with TMA).
 POINTER_TILES = [
     (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 2), (64, 32, 4, 2),
-    (128, 128, 4, 2),  # the best at head_dim 64 (71-78% of cuDNN at 32K-128K on the H200)
+    (128, 128, 4, 2),  # the best at head_dim 64 (docs/benchmarks.md, SmolLM2's shape)
     (64, 128, 4, 3),
 ]  # fmt: skip
 TMA_TILES = [(128, 64, 4, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 4, 2), (64, 32, 4, 2)]
-# Head sizes read with TMA by default. On the H200 (docs/benchmarks.md, run D) TMA reads ran the dense
-# mode at 72-91% of cuDNN against 51-62% with pointer reads at head_dim 128 (8K-128K) and sped the
-# sparse path up from 32K; at head_dim 64 (9 / 3 heads) they gained less in the dense mode and lost in
-# the sparse path; 256 was checked for correctness only.
+# Head sizes read with TMA by default: at head_dim 128 bulk copies beat per-row reads in the dense mode
+# and, from 32K, in the sparse path; at head_dim 64 they lost in the sparse path; 256 was checked for
+# correctness only (docs/benchmarks.md, Reading K/V with TMA).
 TMA_HEAD_DIMS = (128,)
-# Below this context a sparse launch reads through the page table: at 8K and 16K (32 / 8 heads) the
-# staging copy and the short walks made TMA reads 0.1 ms slower; from 32K they were faster.
+# Below this context a sparse launch reads through the page table: the staging copy and the short walks
+# cost more than bulk copies save there (docs/benchmarks.md, Reading K/V with TMA).
 TMA_SPARSE_MIN_KEYS = 32768
 INTERPRET_TILE = (64, 64, 4, 1)  # the interpreter gets the one with fewest programs
 STAGE_BYTES = 256 * 2**20  # the most K+V one launch stages for TMA reads (see stage_kv)
@@ -953,8 +952,8 @@ def _gather_kernel(
 ):  # fmt: skip
     """Copy positions [ROWS * program_id(0), + ROWS) of one sequence's keys and values of KV head
     ``program_id(1)`` out of the pages into row-major (heads, length, HEAD_DIM) tensors. Loads its own
-    tiles rather than through _kv_tile: masked rows need no fill value here, and the gather at 8K ran
-    0.032 against 0.036 ms without it (H200, 2026-12-01)."""
+    tiles rather than through _kv_tile: masked rows need no fill value here, and it ran faster so
+    (docs/benchmarks.md, One launch for the gather)."""
     head = tl.program_id(1)
     pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     valid = pos < length
@@ -1033,9 +1032,8 @@ def select_blocks(
     exact = config.estimator == "exact"
     with_means = config.estimator in ("pooled", "mixed")
     with_bounds = config.estimator in ("bound", "mixed")
-    # Launch shapes as timed on the H200 (scripts/experiments/search_launch.py, 2026-12-01): 4 warps up
-    # to head_dim 128 (pooled 1.6 ms against 1.9 with 8 at 128K, mixed 3.9 against 5.5), key tiles of
-    # 32 blocks for the bound search (2.6 ms against 3.2); at head_dim 256, 8 warps and tiles of 32.
+    # Launch shapes as timed (docs/benchmarks.md, The three searches, and the search's launch): 4 warps up
+    # to head_dim 128, key tiles of 32 blocks for the bound search; at head_dim 256, 8 warps and tiles of 32.
     # Searches with more than 256 operand values per key block run unpipelined, as timed (with fp32
     # operands, the pipelined bound search at head_dim 256 asked for 288 KB of shared memory), and
     # bound searches at head_dim 256 take half the rows.
@@ -1257,10 +1255,8 @@ def split_pays(layout: BatchLayout, num_heads: int, sms: int) -> bool:
     the other query blocks' work. That work is not known before the search; each of them keeps at
     least its sink, local and diagonal blocks, and when HIDDEN_ROW_FACTOR times that floor, per
     multiprocessor, covers the longest walk, the rows (which start first) finish in its shadow and
-    a split only adds a launch and a merge. Measured on the H200 (docs/benchmarks.md): with 32
-    heads a split changed nothing at 8K, cost ~0.15 ms at 32K and saved ~0.2 ms of 8.9 at 128K; with
-    9 heads it saved 0.2-0.5 ms, and on a 16K chunk after a 112K prefix the attention took 0.6 ms
-    instead of 2.9.
+    a split only adds a launch and a merge (the measurements: docs/benchmarks.md, Split-KV of long
+    dense rows).
     """
     n = layout.long_rows.numel()
     if n == 0 or n * num_heads >= sms:
