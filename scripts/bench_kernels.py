@@ -122,6 +122,25 @@ def pipelined_time(fn, reps: int, calls: int = 8) -> float:
     return cuda_time(lambda: [fn() for _ in range(calls)], reps) / calls
 
 
+# Launch shapes of the search kernel timed beside its own choice ({}) by --search-launches.
+SEARCH_LAUNCHES = [{}] + [{"num_warps": warps, "BLOCK_J": tile} for warps in (2, 4, 8) for tile in (32, 64, 128)]
+
+
+def search_launches(select_args, config: SparsePrefillConfig, scale: float, reps: int) -> list[dict]:
+    """The search at each launch shape (key-tile width and warps), a prebuilt layout, calls back to back;
+    a shape past the shared memory is reported, not timed."""
+    q, k_cache, table, cu, seqlens = select_args
+    layout = BatchLayout.build(cu.cpu(), seqlens.cpu(), config, q.device)
+    rows = []
+    for launch in SEARCH_LAUNCHES:
+        run = lambda: triton_kernels.select_blocks(q, k_cache, table, cu, seqlens, layout, config, scale, launch=launch)  # noqa: B023, E731
+        try:
+            rows.append({"launch": launch or "default", "ms": pipelined_time(run, reps)})
+        except Exception as error:  # noqa: BLE001 - a tile past the shared memory of this GPU
+            rows.append({"launch": launch, "error": str(error).splitlines()[0][:120]})
+    return rows
+
+
 def search_breakdown(select_args, config: SparsePrefillConfig, scale: float, reps: int) -> dict:
     """Where the block search's time goes at one shape: the public call from an idle GPU (lengths read
     from the device, the layout built, allocations and two launches), the layout build alone (host), the
@@ -329,6 +348,8 @@ def bench_length(length, args, results):
         total = cuda_time(lambda: sparse_prefill_attention(*kernel_args, config=config, out=out), reps)
         select = cuda_time(lambda: select_blocks(*select_args, config=config), reps)
         breakdown = search_breakdown(select_args, config, scale, reps)
+        if args.search_launches:
+            breakdown["launches"] = search_launches(select_args, config, scale, reps)
         index = select_blocks(*select_args, config=config)
         attend = cuda_time(lambda: block_sparse_attention(*kernel_args, index, out=out), reps)
         unsplit = lambda: triton_kernels.block_sparse_attention(*kernel_args, index.layout, index, scale, False, out, split_kv=False)  # noqa: B023, E731
@@ -392,6 +413,8 @@ def main() -> int:
     parser.add_argument("--real", nargs="*", default=[], help="captured q/k/v .pt files to time and check at the default config, under each of --estimators")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--tiles", action="store_true", help="also time the dense-mode kernel at each candidate tile shape")
+    parser.add_argument("--search-launches", action="store_true",
+                        help="also time the block search at each launch shape (key-tile width, warps)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.densities = [float(x) for x in args.densities.split(",")]
@@ -437,6 +460,17 @@ def main() -> int:
             print(f"| {row['length'] // 1024}K | {s['estimator']} | {100 * s['density']:.1f}% | {row['cudnn_ms']:.2f} "
                   f"| {b['public_ms']:.3f} | {b['prebuilt_ms']:.3f} | {b['pipelined_ms']:.3f} | {b['pipelined_pool_ms']:.3f} "
                   f"| {b['layout_build_ms']:.3f} | {b['host_launch_ms']:.3f} | {100 * s['search_share_of_cudnn']:.2f}% |")  # fmt: skip
+    for row in results:
+        for s in row["sparse"]:
+            for launch in s["search"].get("launches", []):
+                if launch is s["search"]["launches"][0]:
+                    print(f"\nSearch launch shapes at {row['length'] // 1024}K, {s['estimator']} (back to back, ms)")
+                    print("| launch | ms | vs the kernel's choice |\n|---|---|---|")
+                base = s["search"]["launches"][0].get("ms")
+                if "error" in launch:
+                    print(f"| {launch['launch']} | - | {launch['error']} |")
+                else:
+                    print(f"| {launch['launch']} | {launch['ms']:.3f} | {launch['ms'] / base:.2f} |")
     if report["real"]:
         print("\n| layer | N | heads q/kv, d | estimator | FA2 ms | cuDNN ms | sparse ms | select ms | density | rel err vs dense |")
         print("|---|---|---|---|---|---|---|---|---|---|")

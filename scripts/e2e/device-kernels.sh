@@ -9,8 +9,8 @@
 #        bash scripts/e2e/device-wait.sh SECONDS        (again as needed; results in /tmp/e2e/out)
 # Settings (each optional):
 #   CHECK=1        first the correctness check alone, without autotuning (bench_kernels.py --lengths "")
-#   SEARCH_ARGS    arguments of scripts/experiments/search_launch.py (none: not run)
-#   BENCH_ARGS     arguments of scripts/bench_kernels.py (none: no random-input run)
+#   BENCH_ARGS     arguments of scripts/bench_kernels.py (none: no random-input run; add --search-launches
+#                  for the search at each launch shape)
 #   ACCURACY_RUNS  ';'-separated argument lists of `python -m prefill_accel.accuracy`
 #   CAPTURES       ';'-separated argument lists of the harness run with --capture; the captured layers
 #                  are then timed by bench_kernels.py --real with REAL_ESTIMATORS (default pooled)
@@ -27,11 +27,6 @@ export PYTHONUNBUFFERED=1
 if [[ "${CHECK:-0}" == 1 ]]; then
   echo "== bench_kernels.py correctness check"
   PREFILL_ACCEL_AUTOTUNE=0 python3 scripts/bench_kernels.py --lengths "" --out /tmp/e2e/out/check.json
-fi
-if [[ -n "${SEARCH_ARGS:-}" ]]; then
-  echo "== search_launch.py $SEARCH_ARGS"
-  # shellcheck disable=SC2086  # the arguments are split on purpose
-  python3 scripts/experiments/search_launch.py $SEARCH_ARGS | tee /tmp/e2e/out/search-launch.md
 fi
 if [[ -n "${BENCH_ARGS:-}" ]]; then
   echo "== bench_kernels.py $BENCH_ARGS"
