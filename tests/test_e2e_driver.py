@@ -87,3 +87,22 @@ def test_long_runs_use_the_models_documented_rope_scaling_where_it_has_one(drive
 
 def test_needle_depths_are_eight_spread_over_the_prompt(driver):
     assert len(driver.NEEDLE_DEPTHS) == 8 and driver.NEEDLE_DEPTHS[0] == 0.05 and driver.NEEDLE_DEPTHS[-1] == 0.95
+
+
+def test_the_mixed_load_and_served_ttft_go_through_the_products_client(driver):
+    """The driver's requests are prefill_accel.serving's (here against the test stub: 20 ms to the first
+    token, 2 ms between tokens)."""
+    from types import SimpleNamespace
+
+    from serving_stub import StubServer
+
+    with StubServer(ttft_base=0.02, itl=0.002) as stub:
+        server = SimpleNamespace(port=int(stub.url.rsplit(":", 1)[1]), model="stub-model")
+        assert 0.02 <= driver.served_ttft(server, "a short prompt") < 0.5
+        result = driver.mixed_load(server, ["chat one", "chat two"], "a long document " * 50, rate=20.0, seconds=1.5,
+                                   seed=3)  # fmt: skip
+        bodies = [entry for entry in stub.state.log if entry["path"] == "/v1/completions"]
+    assert result["short_requests"] >= 10 and 20 <= result["ttft_p50_ms"] < 500
+    assert 1.5 <= result["itl_p50_ms"] < 50 and result["long_ttft_ms"] >= 20
+    assert len(bodies) == 1 + result["short_requests"] + 1  # served_ttft, the chats, the long request
+    assert {entry["max_tokens"] for entry in bodies} == {1, 48, 4}

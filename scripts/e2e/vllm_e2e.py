@@ -28,7 +28,6 @@ Results: --out DIR/results.json (every number) and the tables printed at the end
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
@@ -48,6 +47,7 @@ sys.path.insert(0, str(ROOT / "kernels"))
 
 from prefill_accel.accuracy.models import MODELS as MODEL_SPECS  # noqa: E402
 from prefill_accel.accuracy.needle import build_prompts, parse_answer  # noqa: E402
+from prefill_accel.serving import client as serving_client  # noqa: E402
 from prefill_accel.serving.stats import percentile  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402  (imported here: a lazy import from two threads races)
 
@@ -510,59 +510,41 @@ def run_stage(results: dict, name: str, stage) -> None:
 # --------------------------------------------------------------------------------------------- serve
 
 
-async def stream_completion(client, port: int, model: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed /v1/completions request: send time, arrival time of every streamed text chunk."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+def timed_stream(port: int, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed /v1/completions request through the product's client (prefill_accel.serving): its send
+    time, TTFT and the gaps between its streamed text chunks."""
+    arrivals: list[float] = []
     sent = time.perf_counter()
-    arrivals = []
-    async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=600) as response:
-        if response.status_code != 200:
-            text = (await response.aread()).decode(errors="replace")
-            raise EngineError(f"HTTP {response.status_code} from :{port}: {text[:500]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            choices = json.loads(line[5:]).get("choices") or []
-            if choices and choices[0].get("text"):
-                arrivals.append(time.perf_counter())
-    if not arrivals:
-        raise EngineError(f"no tokens streamed from :{port}")
-    return {"sent": sent, "ttft": arrivals[0] - sent, "itl": [b - a for a, b in zip(arrivals, arrivals[1:])],
+    done = serving_client.stream_completion(
+        serving_client.Server(f"http://127.0.0.1:{port}"), "completions", model, prompt, max_tokens,
+        extra={"ignore_eos": True}, on_text=lambda piece: arrivals.append(time.perf_counter()),
+    )  # fmt: skip
+    return {"sent": sent, "ttft": done.ttft_s, "itl": [b - a for a, b in zip(arrivals, arrivals[1:])],
             "chunks": len(arrivals)}  # fmt: skip
 
 
 def served_ttft(server: Server, prompt: list[int]) -> float:
-    import httpx
-
-    async def once() -> float:
-        async with httpx.AsyncClient() as client:
-            return (await stream_completion(client, server.port, server.model, prompt, 1))["ttft"]
-
-    return asyncio.run(once())
+    return timed_stream(server.port, server.model, prompt, 1)["ttft"]
 
 
-async def mixed_load(server: Server, shorts: list[list[int]], long_prompt: list[int] | None, rate: float,
-                     seconds: float, seed: int) -> dict:  # fmt: skip
+def mixed_load(server: Server, shorts: list[list[int]], long_prompt: list[int] | None, rate: float,
+               seconds: float, seed: int) -> dict:  # fmt: skip
     """Short chats arrive as a Poisson stream of ``rate``/s for ``seconds``; the long request (if any) is
-    sent 1 s in. Short-request TTFT and inter-token latency, and the long request's TTFT."""
-    import httpx
-
+    sent 1 s in. Short-request TTFT and inter-token latency, and the long request's TTFT. Each request is
+    a thread of its own (a stream waits on the server, not on this process)."""
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    async with httpx.AsyncClient(limits=limits) as client:
+    with ThreadPoolExecutor(max_workers=256) as pool:
         start = time.perf_counter()
-        tasks, long_task, t, i = [], None, 0.0, 0
+        shorts_sent, long_sent, t, i = [], None, 0.0, 0
         while t < seconds:
-            if long_prompt is not None and long_task is None and t >= 1.0:
-                long_task = asyncio.create_task(stream_completion(client, server.port, server.model, long_prompt, 4))
-            await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
-            tasks.append(asyncio.create_task(
-                stream_completion(client, server.port, server.model, shorts[i % len(shorts)], 48)))  # fmt: skip
+            if long_prompt is not None and long_sent is None and t >= 1.0:
+                long_sent = pool.submit(timed_stream, server.port, server.model, long_prompt, 4)
+            time.sleep(max(0.0, start + t - time.perf_counter()))
+            shorts_sent.append(pool.submit(timed_stream, server.port, server.model, shorts[i % len(shorts)], 48))
             i += 1
             t += rng.expovariate(rate)
-        done = await asyncio.gather(*tasks)
-        long_result = await long_task if long_task is not None else None
+        done = [future.result() for future in shorts_sent]
+        long_result = long_sent.result() if long_sent is not None else None
     ttfts = [d["ttft"] for d in done]
     itls = [gap for d in done for gap in d["itl"]]
     result = {
@@ -660,13 +642,11 @@ def mixed_flags(backend: str, target_ms: float) -> list[str]:
 
 def run_mixed(server: Server, prompts: dict, args) -> dict:
     # Warm the server's paths (short chats, a long prefill) before measuring.
-    asyncio.run(mixed_load(server, prompts["warm"], None, args.mixed_rate, 3.0, 1))
-    asyncio.run(mixed_load(server, prompts["warm"][:1], prompts["warm_long"], 1.0, 1.5, 2))
+    mixed_load(server, prompts["warm"], None, args.mixed_rate, 3.0, 1)
+    mixed_load(server, prompts["warm"][:1], prompts["warm_long"], 1.0, 1.5, 2)
     row = {
-        "unloaded": asyncio.run(mixed_load(server, prompts["unloaded"], None, args.mixed_rate, args.mixed_seconds, 3)),
-        "loaded": asyncio.run(
-            mixed_load(server, prompts["loaded"], prompts["long"], args.mixed_rate, args.mixed_seconds, 3)
-        ),
+        "unloaded": mixed_load(server, prompts["unloaded"], None, args.mixed_rate, args.mixed_seconds, 3),
+        "loaded": mixed_load(server, prompts["loaded"], prompts["long"], args.mixed_rate, args.mixed_seconds, 3),
     }
     say(f"{server.name}: unloaded {row['unloaded']}, loaded {row['loaded']}")
     return row
