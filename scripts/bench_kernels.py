@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
 from prefill_accel import SparsePrefillConfig, block_sparse_attention, select_blocks, sparse_prefill_attention  # noqa: E402
-from prefill_accel import BatchLayout, api, reference, triton_kernels  # noqa: E402
+from prefill_accel import BatchLayout, dense_route, reference, triton_kernels  # noqa: E402
 
 
 def cuda_time(fn, repeats: int, warmup: int = 2) -> float:
@@ -179,11 +179,11 @@ def dense_route_breakdown(q, k_cache, v_cache, table, length: int, reps: int, ro
     interleaved rounds (each figure a list, one per round)."""
     gather = lambda: triton_kernels.gather_kv(k_cache, v_cache, table, 0, length)  # noqa: E731
     k, v = gather()
-    cudnn = lambda: api.cudnn_causal_attention(q, k, v, q.shape[2] ** -0.5)  # noqa: E731
+    cudnn = lambda: dense_route.cudnn_causal_attention(q, k, v, q.shape[2] ** -0.5)  # noqa: E731
     out = torch.empty_like(q)
     o, _ = cudnn()
     lengths = torch.tensor([0, length, length], dtype=torch.int32, device=q.device)
-    row = {"api_uses_native_gqa": api._cudnn_gqa}
+    row = {"api_uses_native_gqa": dense_route.CUDNN_ROUTE.native_gqa}
     for name, fn in (("gather", gather), ("cudnn_native_gqa", cudnn), ("copy_out", lambda: out.copy_(o))):
         row[f"{name}_ms"], row[f"pipelined_{name}_ms"] = cuda_time(fn, reps), pipelined_time(fn, reps)
     row["length_read_ms"] = cuda_time(lambda: lengths.long().cpu(), reps)

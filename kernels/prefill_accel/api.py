@@ -10,13 +10,12 @@ import torch
 
 from . import reference, stats
 from .config import SUPPORTED_HEAD_DIMS, SparsePrefillConfig
+from .dense_route import CUDNN_ROUTE
 from .layout import BatchLayout, BlockIndex, causal_block_count
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 _warned: set[str] = set()
-_cudnn_refused = False  # set once cuDNN attention raised: later dense batches use the kernel directly
-_cudnn_gqa: bool | None = None  # whether cuDNN takes fewer KV than query heads; None until tried
 
 
 def _warn_once(reason: str) -> None:
@@ -179,87 +178,6 @@ def _dense_fallback(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, sc
     return out, lse
 
 
-def cudnn_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """Causal attention of one fresh sequence, (L, H, D) tensors, by cuDNN: ((L, Hq, D) output,
-    (Hq, L') float32 natural-log lse, L' >= L). Raises RuntimeError where cuDNN refuses the inputs."""
-    to_bhld = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731
-    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        to_bhld(q), to_bhld(k), to_bhld(v), None, True, 0.0, True, False, scale=scale
-    )[:2]
-    return o[0].transpose(0, 1), lse.view(q.shape[1], -1)
-
-
-def _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, q_lens, scale, out):
-    """Compute a batch of fresh prefills (no prefix) densely with cuDNN attention, the fastest dense
-    kernel on Hopper, so the public function is never much slower than dense attention below
-    ``min_q_len`` (cuDNN's causal mask is top-left aligned, hence fresh sequences only).
-
-    Each sequence's K/V pages are gathered once, in one launch; cuDNN takes the GQA groups natively
-    where it can (else the KV heads are expanded, decided once). Returns (out, lse), or None when
-    cuDNN refuses.
-    """
-    global _cudnn_refused, _cudnn_gqa
-    from .triton_kernels import gather_kv
-
-    group = q.shape[1] // k_cache.shape[2]
-    single = len(q_lens) == 1
-    if single and out is None:
-        result_out = None  # cuDNN lays its output out like q: a single sequence needs no copy
-    else:
-        result_out = torch.empty_like(q) if out is None else out
-    lse = None if single else torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-    start = 0
-    try:
-        for seq, length in enumerate(q_lens):
-            if length:
-                rows = slice(start, start + length)
-                k, v = gather_kv(k_cache, v_cache, page_table, seq, length)
-                o = seq_lse = None
-                if _cudnn_gqa is not False and group > 1:
-                    try:
-                        o, seq_lse = cudnn_causal_attention(q[rows], k, v, scale)
-                        _cudnn_gqa = True
-                    except RuntimeError:
-                        if _cudnn_gqa:
-                            raise
-                        _cudnn_gqa = False  # this build wants equal head counts: expand from now on
-                if o is None:
-                    o, seq_lse = cudnn_causal_attention(
-                        q[rows], k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), scale
-                    )
-                if result_out is None:
-                    result_out = o.contiguous()  # already so when cuDNN lays it out like q
-                else:
-                    result_out.narrow(0, start, length).copy_(o)  # cheaper on the host than item assignment
-                if single:
-                    lse = seq_lse[:, :length].contiguous()  # a view, unless cuDNN padded its rows
-                else:
-                    lse[:, rows] = seq_lse[:, :length]
-            start += length
-    except (RuntimeError, AttributeError) as error:
-        _cudnn_refused = True
-        warnings.warn(
-            f"prefill_accel: cuDNN attention unavailable ({error.__class__.__name__}: {error}); "
-            "dense batches use the Triton kernel",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
-    if result_out is None:  # a single sequence of length 0
-        result_out = torch.empty_like(q)
-    if lse is None:
-        lse = torch.empty(q.shape[1], 0, dtype=torch.float32, device=q.device)
-    return result_out, lse
-
-
-def _cudnn_route_applies(q, config: SparsePrefillConfig, q_lens, k_lens) -> bool:
-    """Whether the whole batch is dense and fresh, so cuDNN can compute it (see above)."""
-    if not q.is_cuda or _cudnn_refused:
-        return False
-    fresh = all(qn == kn for qn, kn in zip(q_lens, k_lens))
-    return fresh and (config.is_dense or not any(config.long_chunk(qn) for qn in q_lens))
-
-
 def sparse_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -319,8 +237,8 @@ def sparse_prefill_attention(
     recorder = stats.recorder()
     clock = recorder.start(q.device) if recorder is not None else None
     index = result = None
-    if _cudnn_route_applies(q, config, q_lens, k_lens):
-        result = _dense_fresh_with_cudnn(q, k_cache, v_cache, page_table, q_lens, scale, out)
+    if CUDNN_ROUTE.applies(q, config, q_lens, k_lens):
+        result = CUDNN_ROUTE(q, k_cache, v_cache, page_table, q_lens, scale, out)
     if result is None:
         if layout is None:
             layout = BatchLayout.build(*host_lengths, config, q.device)
