@@ -157,7 +157,16 @@ def write_then(fault, after: int):
     return write
 
 
-def test_a_signal_during_apply_to_an_installed_package_restores_every_file(tmp_path, monkeypatch, targets):
+@pytest.fixture
+def terminal_sigint():
+    """SIGINT as a terminal session has it (Python's handler), even where the runner inherited it ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_signal_during_apply_to_an_installed_package_restores_every_file(tmp_path, monkeypatch, targets,
+                                                                         terminal_sigint):  # fmt: skip
     site = installed_copy(tmp_path, "site")
     before = tree_digest(site)
     monkeypatch.setattr(journal, "write_file", write_then(lambda: os.kill(os.getpid(), signal.SIGINT), after=3))
