@@ -178,7 +178,7 @@ class V1Engine:
                                    structured_output_manager=StructuredOutputManager(vllm_config),
                                    block_size=BLOCK_SIZE, log_stats=False)
         # The patched scheduler's clocks (step timing, SRPF aging) run on simulated time.
-        for part in ("step_time", "waiting", "skipped_waiting"):
+        for part in ("prefill_planner", "waiting", "skipped_waiting"):
             if hasattr(getattr(self.scheduler, part, None), "clock"):
                 getattr(self.scheduler, part).clock = clock
 
@@ -231,8 +231,8 @@ class V0Engine:
         cache_config.num_gpu_blocks = NUM_BLOCKS
         cache_config.num_cpu_blocks = 1024
         self.scheduler = Scheduler(scheduler_config, cache_config, None)
-        if hasattr(self.scheduler, "step_time"):
-            self.scheduler.step_time.clock = clock
+        if hasattr(self.scheduler, "prefill_planner"):
+            self.scheduler.prefill_planner.clock = clock
         try:  # SRPF aging in the patched tree reads this clock
             import vllm.core.srpf_order as srpf_order
             srpf_order.clock = clock

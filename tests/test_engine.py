@@ -14,10 +14,12 @@ import torch
 from prefill_accel import SparsePrefillConfig
 from prefill_accel.engine.banner import STAMP_NAME, series_banner
 from prefill_accel.engine.layers import LayerTraits, dense_reason
+from prefill_accel.engine.planner import PlannerOptions, PrefillStreak, Scheduled, StepPlanner, srpf_key
 from prefill_accel.engine.startup import EngineFacts, check_flags
 from prefill_accel.flags import HELP, SUFFIXES, settings_from_flags
 from prefill_accel.layout import BatchLayout
 from prefill_accel.runs import split_long_prefills
+from prefill_accel.scheduling import Chunk
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,3 +125,68 @@ def test_every_router_asks_the_config_which_chunks_are_long():
     dense = layout.qblock_dense.tolist()
     starts = layout.seq_qblock_start
     assert all(dense[starts[0]:starts[1]]) and not any(dense[starts[1]:starts[3]])
+
+
+def planner(options=PlannerOptions(), target_ms=None, clock=None, **limits):
+    settings = dict(max_partial=1, max_long=1, long_threshold=0) | limits
+    return StepPlanner(**settings, max_step_latency_ms=target_ms, token_scale=8192, max_model_len=131072,
+                       min_prefill_tokens=16, options=options, clock=clock or (lambda: 0.0))  # fmt: skip
+
+
+def test_the_planner_serves_decodes_first_and_shares_the_rest():
+    plan = planner(max_partial=2, max_long=1, long_threshold=1000)
+    decodes = [Scheduled(context=500, tokens=1, prefill=False)] * 48
+    left = plan.begin_step(decodes, [Chunk(5000, context=3000)], [Chunk(8000), Chunk(300)], token_budget=2048)
+    assert left == 2000  # the decodes' 48 tokens first
+    assert plan.admission(Chunk(8000)) == plan.SKIP and plan.admission(Chunk(300)) == plan.ADMIT
+    assert plan.cap(Chunk(5000, context=3000), 2000) == 2000  # 1000 + 300 fit: nobody capped
+    plan.consume(Chunk(5000, context=3000), 1900, admitted=False)
+    assert plan.cap(Chunk(300), 300) == 100  # what the step has left (V1 keeps the budget here)
+    plan.consume(Chunk(300), 100, admitted=True)
+    assert plan.admission(Chunk(200)) == plan.STOP
+
+
+def test_engine_options_say_what_the_planner_leaves_to_the_engine():
+    v0 = planner(PlannerOptions(bound_tokens=False, cap_long_chunks=True, refuse_chunks=False), long_threshold=512)
+    v0.begin_step([], [], [], token_budget=64)
+    assert v0.cap(Chunk(4000), 4000) == 512  # V0 cuts chunks at the threshold itself, its own budget bounds them
+    assert v0.cap(Chunk(4000), 700, block=16) == 512 and v0.cap(Chunk(4000), 500, block=16) == 500
+    v1 = planner(long_threshold=512)
+    v1.begin_step([], [], [], token_budget=64)
+    assert v1.cap(Chunk(4000), 4000) == 64
+
+
+def test_the_planner_times_each_step_from_its_start_to_its_output():
+    now = [0.0]
+    plan = planner(target_ms=5.0, clock=lambda: now[0])
+    for step in range(3):
+        plan.begin_step([Scheduled(100, 1, False)], [], [], token_budget=256)
+        key = object()
+        plan.end_step(key, [Scheduled(100, 1, False)])
+        now[0] += 0.002
+        plan.observe(key)
+    assert plan.time.model.decodes.count == 3
+    assert plan.time.model.decode_seconds(1, 101) == pytest.approx(0.002, rel=1e-3)
+    plan.observe(object())  # an unknown step is nobody's: nothing fitted
+    assert plan.time.model.decodes.count == 3
+
+
+def test_srpf_keys_order_by_aged_remaining_then_arrival_and_priority_first():
+    young_long, old_long, aged_out, chat = (srpf_key(8000, 1.0, 30.0, 10.0), srpf_key(8000, 29.0, 30.0, 1.0),
+                                            srpf_key(9000, 31.0, 30.0, 0.5), srpf_key(100, 0.5, 30.0, 11.0))  # fmt: skip
+    assert sorted([young_long, old_long, aged_out, chat]) == [aged_out, chat, old_long, young_long]
+    assert srpf_key(100, 0.0, 30.0, 5.0, priority=1, tiebreak="b") > srpf_key(9000, 0.0, 30.0, 1.0, priority=0, tiebreak="a")
+
+
+def test_a_prefill_streak_bounds_prefills_in_a_row_while_decodes_wait():
+    streak = PrefillStreak(2)
+    for _ in range(2):
+        assert not streak.holds_prefill(decodes_waiting=True)
+        streak.record("prefill", decodes_waiting=True)
+    assert streak.holds_prefill(decodes_waiting=True) and not streak.holds_prefill(decodes_waiting=False)
+    streak.record("decode", decodes_waiting=True)
+    assert streak.length == 0
+    streak.record("mixed", decodes_waiting=True)
+    assert streak.length == 0
+    with pytest.raises(ValueError, match="must be at least 1"):
+        PrefillStreak(0)

@@ -4,6 +4,7 @@ import pytest
 
 from prefill_accel.scheduling import (
     STARVATION_STEPS,
+    Chunk,
     PartialPrefills,
     PrefillTime,
     StepTimeModel,
@@ -52,19 +53,20 @@ def test_water_level_shares_tokens_and_seconds_max_min_fairly():
 
 
 def test_partial_prefills_admit_share_and_keep_long_slots():
-    # Requests are their remaining prefill tokens here; two slots, one of them for a long request.
-    limits = PartialPrefills(max_partial=2, max_long=1, long_threshold=1000, remaining=lambda r: r)
-    level, seconds = limits.shares(prefilling=[5000], waiting=[8000, 300, 200], tokens=2048)
+    # Two slots, one of them for a long request; prefills by their remaining tokens.
+    limits = PartialPrefills(max_partial=2, max_long=1, long_threshold=1000)
+    level, seconds = limits.shares(prefilling=[Chunk(5000)], waiting=[Chunk(8000), Chunk(300), Chunk(200)], tokens=2048)
     # Expected: the running 5000 (asks for 1000, the threshold) and the 300 (the 8000 finds the long
     # slot taken and is passed over): 1000 + 300 fit in 2048, so nobody is capped.
     assert (level, seconds) == (2048, None)
-    assert limits.admission(8000) == PartialPrefills.SKIP
-    assert limits.admission(300) == PartialPrefills.ADMIT
-    limits.admitted(300)
-    assert limits.admission(200) == PartialPrefills.STOP
-    level, seconds = limits.shares([5000], [300], tokens=512, chunk_seconds=lambda r, n: n * 1e-5, seconds=0.004)
+    assert limits.admission(Chunk(8000)) == PartialPrefills.SKIP
+    assert limits.admission(Chunk(300)) == PartialPrefills.ADMIT
+    limits.admitted(Chunk(300))
+    assert limits.admission(Chunk(200)) == PartialPrefills.STOP
+    level, seconds = limits.shares([Chunk(5000)], [Chunk(300)], tokens=512, chunk_seconds=lambda c, n: n * 1e-5,
+                                   seconds=0.004)  # fmt: skip
     assert level == 256 and seconds == pytest.approx(0.002)
-    assert PartialPrefills(1, 1, 0, remaining=lambda r: r).admission(8000) == PartialPrefills.ADMIT  # limits off
+    assert PartialPrefills(1, 1, 0).admission(Chunk(8000)) == PartialPrefills.ADMIT  # limits off
 
 
 def test_a_model_that_prices_prefill_at_nothing_does_not_refuse_it():
@@ -78,8 +80,8 @@ def test_a_model_that_prices_prefill_at_nothing_does_not_refuse_it():
             budget.model.observe(step_seconds(1), decode_tokens=1, decode_pairs=600, prefill_tokens=100 * step)
     assert budget.model.chunk_seconds(736, 0) + budget.model.prefill_step_seconds == pytest.approx(0.0, abs=1e-9)
     budget.start(decode_tokens=1, decode_pairs=600)
-    limits = PartialPrefills(max_partial=4, max_long=1, long_threshold=4096, remaining=lambda r: r)
-    _, seconds = limits.shares([], [736], 8192, lambda r, n: budget.model.chunk_seconds(n, 0), budget.seconds_left)
+    limits = PartialPrefills(max_partial=4, max_long=1, long_threshold=4096)
+    _, seconds = limits.shares([], [Chunk(736)], 8192, lambda c, n: budget.model.chunk_seconds(n, 0), budget.seconds_left)
     assert budget.limit_tokens(0, 736, seconds, floor_each=True) == 736
 
 

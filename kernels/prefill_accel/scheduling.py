@@ -1,10 +1,11 @@
 """Engine-agnostic pieces of prefill-accel's scheduling policies, shared by the engine overlays.
 
-Pure Python, no engine types: the overlay modules of each engine (vLLM 0.26.0 V1, vLLM 0.6.3 V0)
-adapt their requests to these functions.
+Pure Python, no engine types: the step planner (prefill_accel.engine.planner), which every engine's
+scheduler calls through its adapter, is made of these.
 
 * :func:`water_level`: the max-min fair share of a step's prefill budget (tokens or seconds), and
-  :class:`PartialPrefills`, the partial-prefill limits (admission, long slots, the step's shares).
+  :class:`PartialPrefills`, the partial-prefill limits (admission, long slots, the step's shares), over
+  :class:`Chunk` views of the engine's prefills.
 * :func:`attention_pairs` and :class:`StepTimeModel`: the online model of a step's wall time, its
   decodes' cost plus what its prefill chunks add, and :class:`PrefillTime`, the step's prefill time
   under ``--max-step-latency-ms`` spent chunk by chunk.
@@ -19,9 +20,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import TypeVar
-
-Request = TypeVar("Request")
+from dataclasses import dataclass
 
 # Weight of older steps per new step of the same kind: ~100 steps of memory. A prefill whose context
 # grows every step is followed by the pair and key terms, not by forgetting; a memory of ~20 steps let
@@ -60,10 +59,18 @@ def water_level(demands: list, budget):
     return budget
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """A prefill as the policies see it: the prompt tokens it has left, and the context (tokens already
+    computed) its next chunk attends to. Engines' adapters make these of their requests."""
+
+    remaining: int
+    context: int = 0
+
+
 class PartialPrefills:
     """``--max-num-partial-prefills N`` (on when N > 1), ``--max-long-partial-prefills`` and
-    ``--long-prefill-token-threshold`` for one step, over an engine's requests through the number
-    of prefill tokens each has left (``remaining``).
+    ``--long-prefill-token-threshold`` for one step, over prefills given as :class:`Chunk` views.
 
     Admission: at most N requests prefill at once (running chunks plus those admitted this step),
     at most ``max_long`` of them long (more than ``long_threshold`` tokens left); a long request
@@ -74,62 +81,59 @@ class PartialPrefills:
 
     ADMIT, SKIP, STOP = "admit", "skip", "stop"
 
-    def __init__(self, max_partial: int, max_long: int, long_threshold: int,
-                 remaining: Callable[[Request], int]) -> None:  # fmt: skip
+    def __init__(self, max_partial: int, max_long: int, long_threshold: int) -> None:
         self.max_partial, self.max_long, self.long_threshold = max_partial, max_long, long_threshold
-        self.remaining = remaining
         self.enabled = max_partial > 1
         self._count = 0
         self._long_count = 0
 
-    def is_long(self, request: Request) -> bool:
-        return 0 < self.long_threshold < self.remaining(request)
+    def is_long(self, chunk: Chunk) -> bool:
+        return 0 < self.long_threshold < chunk.remaining
 
-    def demand(self, request: Request) -> int:
-        """Tokens the request asks of a step: what it has left, at most the long threshold."""
-        remaining = self.remaining(request)
-        return self.long_threshold if 0 < self.long_threshold < remaining else remaining
+    def demand(self, chunk: Chunk) -> int:
+        """Tokens the prefill asks of a step: what it has left, at most the long threshold."""
+        return self.long_threshold if self.is_long(chunk) else max(chunk.remaining, 0)
 
-    def shares(self, prefilling: list[Request], waiting: Iterable[Request], tokens: int,
-               chunk_seconds: Callable[[Request, int], float] | None = None,
+    def shares(self, prefilling: list[Chunk], waiting: Iterable[Chunk], tokens: int,
+               chunk_seconds: Callable[[Chunk, int], float] | None = None,
                seconds: float = 0.0) -> tuple[int, float | None]:  # fmt: skip
         """Start a step with these running prefills; return the water levels of its tokens and (with
         ``chunk_seconds``) of its ``seconds`` over the prefills expected this step: the running ones
         and the waiting ones, in queue order, that admission would take."""
         self._count = len(prefilling)
-        self._long_count = sum(self.is_long(r) for r in prefilling)
+        self._long_count = sum(self.is_long(c) for c in prefilling)
         expected = list(prefilling)
         free, free_long = self.max_partial - self._count, self.max_long - self._long_count
-        for request in waiting:
+        for chunk in waiting:
             if free <= 0:
                 break
-            if self.is_long(request):
+            if self.is_long(chunk):
                 if free_long <= 0:
                     continue
                 free_long -= 1
             free -= 1
-            expected.append(request)
-        demands = [self.demand(r) for r in expected]
+            expected.append(chunk)
+        demands = [self.demand(c) for c in expected]
         level = water_level(demands, tokens)
         if chunk_seconds is None:
             return level, None
-        return level, water_level([chunk_seconds(r, min(d, level)) for r, d in zip(expected, demands)], seconds)
+        return level, water_level([chunk_seconds(c, min(d, level)) for c, d in zip(expected, demands)], seconds)
 
-    def admission(self, request: Request) -> str:
+    def admission(self, chunk: Chunk) -> str:
         """ADMIT, SKIP (a long request while the long slots are taken) or STOP (no slot left)."""
         if not self.enabled:
             return self.ADMIT
         if self._count >= self.max_partial:
             return self.STOP
-        if self.is_long(request) and self._long_count >= self.max_long:
+        if self.is_long(chunk) and self._long_count >= self.max_long:
             return self.SKIP
         return self.ADMIT
 
-    def admitted(self, request: Request) -> None:
+    def admitted(self, chunk: Chunk) -> None:
         """Count a request taken from waiting this step."""
         if self.enabled:
             self._count += 1
-            self._long_count += self.is_long(request)
+            self._long_count += self.is_long(chunk)
 
 
 def attention_pairs(num_computed_tokens: int, num_new_tokens: int) -> int:
@@ -356,8 +360,8 @@ class PrefillTime:
     cost (its tokens and their attention over its own context) by the fitted :class:`StepTimeModel`,
     the step's first chunk also what carrying a prefill costs the step.
 
-    The engines' step-time budgets build on this: they time steps and feed `model`, call `start`
-    with the step's decodes, and size each prefill chunk with `limit_tokens` and `charge`.
+    The step planner (prefill_accel.engine.planner) builds on this: it times steps and feeds `model`,
+    calls `start` with the step's decodes, and sizes each prefill chunk with `limit_tokens` and `charge`.
 
     A chunk too costly for the time left is cut, down to nothing when even reading its context does
     not fit: a chunk of a few tokens late in a long prompt costs a whole step of attention for

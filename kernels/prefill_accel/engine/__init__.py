@@ -5,4 +5,6 @@ back; nothing in this package imports an engine, and nothing here calls back int
   banner   the startup line naming the prefill-accel series a patched engine carries
   startup  the startup check of the --sparse-prefill-* flags and their help, in each engine's words
   layers   which attention layers may go sparse (LayerTraits in, the reason a layer stays dense out)
+  planner  the step planner the patched schedulers call (limits, decodes first, the latency target), the
+           SRPF key and the prefill streak of decode protection
 """

@@ -62,7 +62,7 @@ class FakeGpu:
 def decoding_chats(scheduler, gpu, count: int, max_tokens: int) -> None:
     """Start `count` chats on the fake GPU and run them into decoding: their prefill step and the
     decode steps after it teach the step-time model the fixed and per-token costs."""
-    scheduler.step_time.clock = gpu
+    scheduler.prefill_planner.clock = gpu
     for i in range(count):
         scheduler.add_request(make_request(f"chat{i}", 32, max_tokens=max_tokens))
     for _ in range(6):

@@ -42,7 +42,7 @@ class FakeGpu:
 
 def decoding_chats(scheduler, gpu: FakeGpu, count: int) -> None:
     """Chats that prefill, then decode: their steps teach the model the fixed and per-token costs."""
-    scheduler.step_time.clock = gpu
+    scheduler.prefill_planner.clock = gpu
     for i in range(count):
         add(scheduler, str(10 + i), 32, first_token=1000 * (i + 1))
     for _ in range(6):

@@ -6,7 +6,7 @@ bounds the wait: the key is the remaining tokens scaled by `1 - waited / prefill
 least 0), so precedence rises linearly with waiting time and a request that has waited
 `prefill_aging_s` seconds goes ahead of anything younger, first come first served among those.
 With `--scheduling-policy priority` the key orders requests within a priority level. The same
-policy and flags as the vLLM 0.26.0 series; the key is `prefill_accel.scheduling.aged_remaining`.
+policy and flags as the vLLM 0.26.0 series; the key is `prefill_accel.engine.planner.srpf_key`.
 
 The scheduler reorders its waiting deque at the start of every step; remaining tokens are counted
 before the prefix cache is consulted, waiting time from the request's arrival.
@@ -16,9 +16,9 @@ import time
 from collections import deque
 from typing import Deque, Iterable, Optional
 
-from prefill_accel.scheduling import aged_remaining
+from prefill_accel.engine.planner import srpf_key
 
-from vllm.core.prefill_budget import remaining_prefill_tokens
+from vllm.core.prefill_planner import remaining_prefill_tokens
 from vllm.sequence import SequenceGroup
 
 # Wall-clock seconds, the time base of SequenceGroup.arrival_time; a simulation on simulated
@@ -34,9 +34,9 @@ def srpf_ordered(waiting: Iterable[SequenceGroup],
     now = clock() if now is None else now
 
     def key(seq_group: SequenceGroup) -> tuple:
-        aged = aged_remaining(remaining_prefill_tokens(seq_group),
-                              now - seq_group.arrival_time, aging_s)
-        srpf = (aged, seq_group.arrival_time)
-        return (seq_group.priority, *srpf) if by_priority else srpf
+        return srpf_key(remaining_prefill_tokens(seq_group),
+                        now - seq_group.arrival_time, aging_s,
+                        seq_group.arrival_time,
+                        seq_group.priority if by_priority else None)
 
     return deque(sorted(waiting, key=key))

@@ -7,7 +7,7 @@ by ``1 - waited / --prefill-aging-s`` (at least 0), so precedence rises linearly
 and a request that has waited ``--prefill-aging-s`` seconds goes ahead of anything younger, first
 come first served among those. With ``--enable-priority-scheduling`` the priority decides first and
 this order applies within a priority level. The same policy and aging flag as the vLLM series; the
-key is ``prefill_accel.scheduling.aged_remaining``.
+key is ``prefill_accel.engine.planner.srpf_key``.
 
 SchedulePolicy sorts the queue before every prefill batch. A request's prefix found in the radix cache
 counts as done from the scheduler's last look-up of it (when it was last considered for a batch; an
@@ -18,7 +18,7 @@ against the cache each time. Waiting time runs from the request's latest entry i
 import time
 from typing import List
 
-from prefill_accel.scheduling import aged_remaining
+from prefill_accel.engine.planner import srpf_key
 
 # The time base of SchedulerReqTimeStats.wait_queue_entry_time.
 clock = time.perf_counter
@@ -41,8 +41,7 @@ def sort_by_remaining_prefill(
 
     def key(req) -> tuple:
         entered = req.time_stats.wait_queue_entry_time
-        waited = now - entered if entered else 0.0
-        srpf = (aged_remaining(remaining_prefill_tokens(req), waited, aging_s), entered)
-        return (req.priority * priority_sign, *srpf) if by_priority else srpf
+        return srpf_key(remaining_prefill_tokens(req), now - entered if entered else 0.0, aging_s, entered,
+                        req.priority * priority_sign if by_priority else None)
 
     waiting_queue.sort(key=key)

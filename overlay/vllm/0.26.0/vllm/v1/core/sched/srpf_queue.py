@@ -10,7 +10,8 @@ less, first come first served among themselves. No request waits much longer tha
 `prefill_aging_s` plus the service time of requests that aged out before it.
 
 With `--scheduling-policy priority`, requests are ordered by priority first and by the SRPF
-key within a priority level; the aging never overrides an explicit priority.
+key within a priority level; the aging never overrides an explicit priority. The key is the runtime's
+(`prefill_accel.engine.planner.srpf_key`); this module is the queue V1's scheduler pops from.
 
 Remaining tokens are counted before the prefix cache is consulted (`num_tokens -
 num_computed_tokens`); waiting time runs from the request's arrival, so a preempted request
@@ -20,9 +21,10 @@ resumes ahead of younger ones.
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-from prefill_accel.scheduling import aged_remaining
+from prefill_accel.engine.planner import srpf_key
 
 from vllm.config import SchedulerConfig
+from vllm.v1.core.sched.prefill_planner import remaining_prefill_tokens
 from vllm.v1.core.sched.request_queue import (
     RequestQueue,
     SchedulingPolicy,
@@ -56,10 +58,8 @@ class ShortestRemainingPrefillQueue(RequestQueue):
         self._peeked: Request | None = None
 
     def key(self, request: Request, now: float) -> tuple:
-        remaining = request.num_tokens - request.num_computed_tokens
-        aged = aged_remaining(remaining, now - request.arrival_time, self.aging_s)
-        srpf = (aged, request.arrival_time, request.request_id)
-        return (request.priority, *srpf) if self.by_priority else srpf
+        return srpf_key(remaining_prefill_tokens(request), now - request.arrival_time, self.aging_s,
+                        request.arrival_time, request.priority if self.by_priority else None, request.request_id)
 
     def _ordered(self, allow_stale: bool = False) -> list[Request]:
         now = self.clock()
