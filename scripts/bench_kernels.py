@@ -27,7 +27,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
 from prefill_accel import SparsePrefillConfig, block_sparse_attention, select_blocks, sparse_prefill_attention  # noqa: E402
-from prefill_accel import BatchLayout, dense_route, reference, triton_kernels  # noqa: E402
+from prefill_accel import BatchLayout, dense_route  # noqa: E402
+from prefill_accel.ops import attention, attention_reference, launch, search, search_reference, staging, staging_reference  # noqa: E402
 
 
 def cuda_time(fn, repeats: int, warmup: int = 2) -> float:
@@ -107,7 +108,7 @@ def tile_sweep(kernel_args, layout, scale, out, flops, cudnn_ms, reps) -> list[d
     rows = []
     for block_m, block_n, warps, stages in TILE_CANDIDATES:
         tile = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
-        run = lambda: triton_kernels.block_sparse_attention(*kernel_args, layout, None, scale, False, out, tile=tile)  # noqa: B023, E731
+        run = lambda: attention.block_sparse_attention(*kernel_args, layout, None, scale, False, out, tile=tile)  # noqa: B023, E731
         try:
             ms = cuda_time(run, reps)
         except Exception as error:  # out of shared memory or registers for this head size
@@ -122,22 +123,27 @@ def pipelined_time(fn, reps: int, calls: int = 8) -> float:
     return cuda_time(lambda: [fn() for _ in range(calls)], reps) / calls
 
 
-# Launch shapes of the search kernel timed beside its own choice ({}) by --search-launches.
-SEARCH_LAUNCHES = [{}] + [{"num_warps": warps, "BLOCK_J": tile} for warps in (2, 4, 8) for tile in (32, 64, 128)]
+# Launch shapes of the search kernel timed beside its own choice ({}) by --search-launches: key-tile
+# width and warps, then fewer rows per chunk (the registers a program holds grow with them).
+SEARCH_LAUNCHES = (
+    [{}]
+    + [{"num_warps": warps, "BLOCK_J": tile} for warps in (2, 4, 8) for tile in (32, 64, 128)]
+    + [{"ROW_CHUNK": rows, "num_warps": warps, "BLOCK_J": tile} for rows in (32, 64) for warps in (4, 8) for tile in (32, 64)]
+)
 
 
 def search_launches(select_args, config: SparsePrefillConfig, scale: float, reps: int) -> list[dict]:
-    """The search at each launch shape (key-tile width and warps), a prebuilt layout, calls back to back;
+    """The search at each launch shape (rows per chunk, key-tile width, warps), a prebuilt layout, calls back to back;
     a shape past the shared memory is reported, not timed."""
     q, k_cache, table, cu, seqlens = select_args
     layout = BatchLayout.build(cu.cpu(), seqlens.cpu(), config, q.device)
     rows = []
-    for launch in SEARCH_LAUNCHES:
-        run = lambda: triton_kernels.select_blocks(q, k_cache, table, cu, seqlens, layout, config, scale, launch=launch)  # noqa: B023, E731
+    for shape in SEARCH_LAUNCHES:
+        run = lambda: search.select_blocks(q, k_cache, table, cu, seqlens, layout, config, scale, launch=shape)  # noqa: B023, E731
         try:
-            rows.append({"launch": launch or "default", "ms": pipelined_time(run, reps)})
+            rows.append({"launch": shape or "default", "ms": pipelined_time(run, reps)})
         except Exception as error:  # noqa: BLE001 - a tile past the shared memory of this GPU
-            rows.append({"launch": launch, "error": str(error).splitlines()[0][:120]})
+            rows.append({"launch": shape, "error": str(error).splitlines()[0][:120]})
     return rows
 
 
@@ -150,11 +156,11 @@ def search_breakdown(select_args, config: SparsePrefillConfig, scale: float, rep
     q, k_cache, table, cu, seqlens = select_args
     host = (cu.cpu(), seqlens.cpu())
     layout = BatchLayout.build(*host, config, q.device)
-    search = lambda: triton_kernels.select_blocks(q, k_cache, table, cu, seqlens, layout, config, scale)  # noqa: E731
+    run_search = lambda: search.select_blocks(q, k_cache, table, cu, seqlens, layout, config, scale)  # noqa: E731
     with_means, with_bounds = config.estimator in ("pooled", "mixed"), config.estimator in ("bound", "mixed")
-    pool = lambda: triton_kernels.pool_blocks(k_cache, table, seqlens, layout, with_means, with_bounds, q.dtype)  # noqa: E731
+    pool = lambda: search.pool_blocks(k_cache, table, seqlens, layout, with_means, with_bounds, q.dtype)  # noqa: E731
     row = {"public_ms": cuda_time(lambda: select_blocks(*select_args, config=config, softmax_scale=scale), reps),
-           "prebuilt_ms": cuda_time(search, reps), "pipelined_ms": pipelined_time(search, reps),
+           "prebuilt_ms": cuda_time(run_search, reps), "pipelined_ms": pipelined_time(run_search, reps),
            "pipelined_pool_ms": pipelined_time(pool, reps)}  # fmt: skip
     builds, launches = [], []
     for _ in range(reps):
@@ -163,7 +169,7 @@ def search_breakdown(select_args, config: SparsePrefillConfig, scale: float, rep
         builds.append(time.perf_counter() - start)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        search()
+        run_search()
         launches.append(time.perf_counter() - start)
         torch.cuda.synchronize()
     row["layout_build_ms"], row["host_launch_ms"] = 1e3 * statistics.median(builds), 1e3 * statistics.median(launches)
@@ -177,7 +183,7 @@ def dense_route_breakdown(q, k_cache, v_cache, table, length: int, reps: int, ro
     whole function as an engine calls it (a prebuilt layout, calls back to back, with and without
     ``out``), with lengths read from the device, and the cuDNN baseline the same way, in ``rounds``
     interleaved rounds (each figure a list, one per round)."""
-    gather = lambda: triton_kernels.gather_kv(k_cache, v_cache, table, 0, length)  # noqa: E731
+    gather = lambda: staging.gather_kv(k_cache, v_cache, table, 0, length)  # noqa: E731
     k, v = gather()
     cudnn = lambda: dense_route.cudnn_causal_attention(q, k, v, q.shape[2] ** -0.5)  # noqa: E731
     out = torch.empty_like(q)
@@ -190,7 +196,7 @@ def dense_route_breakdown(q, k_cache, v_cache, table, length: int, reps: int, ro
     cu, seqlens = lengths[:2], lengths[2:]
     layout = BatchLayout.build(torch.tensor([0, length]), torch.tensor([length]), SparsePrefillConfig(), q.device)
     calls = {
-        "cudnn": sdpa(q, *(reference.gather_kv(c, table, 0, length) for c in (k_cache, v_cache)), SDPBackend.CUDNN_ATTENTION),
+        "cudnn": sdpa(q, *(staging_reference.gather_kv(c, table, 0, length) for c in (k_cache, v_cache)), SDPBackend.CUDNN_ATTENTION),
         "public_layout": lambda: sparse_prefill_attention(q, k_cache, v_cache, table, cu, seqlens, out=out, layout=layout),
         "public_layout_no_out": lambda: sparse_prefill_attention(q, k_cache, v_cache, table, cu, seqlens, layout=layout),
         "public": lambda: sparse_prefill_attention(q, k_cache, v_cache, table, cu, seqlens, out=out),
@@ -241,7 +247,7 @@ def check_correctness(dtypes, head_dims, page_sizes, log=lambda line: None) -> l
     lines = []
     kv_reads = ("tma", "pointer") if torch.cuda.get_device_capability()[0] >= 9 else ("pointer",)
     for dtype, head_dim, page_size, reads in itertools.product(dtypes, head_dims, page_sizes, kv_reads):
-        triton_kernels.KV_READS = reads
+        launch.KV_READS = reads
         q_lens, k_lens = [3000, 1000, 517], [3000, 5000, 2600]
         heads, num_kv = 8, 2
         seeds = torch.randint(1 << 30, (len(k_lens),)).tolist()
@@ -262,7 +268,7 @@ def check_correctness(dtypes, head_dims, page_sizes, log=lambda line: None) -> l
         cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         seqlens = torch.tensor(k_lens, dtype=torch.int32, device="cuda")
         args = (q, k_cache, v_cache, table, cu, seqlens)
-        ref_out, ref_lse = reference.dense_paged_attention(*args)
+        ref_out, ref_lse = attention_reference.dense_paged_attention(*args)
         cases = ((0.0, 0, "mixed"), (0.05, 0, "pooled/4"), (0.05, 0, "bound/4"), (0.05, 0, "mixed/4"), (0.05, 0, "mixed/8"),
                  (0.05, 0, "exact"), (0.05, 1 << 20, "mixed"))  # fmt: skip
         for threshold, min_q_len, estimator in cases:
@@ -270,20 +276,20 @@ def check_correctness(dtypes, head_dims, page_sizes, log=lambda line: None) -> l
             if min_q_len:  # an all-dense batch of fresh prefills: the cuDNN route
                 fresh = slice(0, q_lens[0])
                 args = (q[fresh], k_cache, v_cache, table[:1], cu[:2], seqlens[:1].clone().fill_(q_lens[0]))
-                ref_out, ref_lse = reference.dense_paged_attention(*args)
+                ref_out, ref_lse = attention_reference.dense_paged_attention(*args)
             out = torch.full_like(args[0], float("nan"))
             got, lse = sparse_prefill_attention(*args, config=config, out=out)
             if threshold == 0 or min_q_len:
                 target, target_lse = ref_out, ref_lse
             else:
                 index = select_blocks(q, k_cache, table, cu, seqlens, config=config)
-                target, target_lse = reference.block_masked_attention(*args, index)
+                target, target_lse = attention_reference.block_masked_attention(*args, index)
             err = ((got.float() - target).norm() / target.norm()).item()
             lse_err = (lse - target_lse).abs().max().item()
             ok = torch.isfinite(got).all().item() and err < 2e-2 and lse_err < 1e-2
             scores = ""
             if threshold and not min_q_len:  # the search's estimate itself against the float64 reference
-                want = reference.select_blocks(q, k_cache, table, cu, seqlens, config)
+                want = search_reference.select_blocks(q, k_cache, table, cu, seqlens, config)
                 score_err = (index.scores - want.scores).abs().max().item()
                 # The exact estimate is computed in float32; the pooled ones multiply in q's dtype.
                 ok = ok and score_err < (1e-3 if config.estimator == "exact" else 2e-2)
@@ -294,7 +300,7 @@ def check_correctness(dtypes, head_dims, page_sizes, log=lambda line: None) -> l
                 f"min_q_len={min_q_len} {estimator}:{kept} rel_err={err:.2e} lse_err={lse_err:.1e}{scores}"
             )
             log(lines[-1])
-    triton_kernels.KV_READS = "auto"
+    launch.KV_READS = "auto"
     return lines
 
 
@@ -321,13 +327,13 @@ def bench_length(length, args, results):
     out = torch.empty_like(q)
     layout = BatchLayout.build(cu, seqlens, SparsePrefillConfig(threshold=0.0), q.device)
     scale = 1.0 / math.sqrt(head_dim)
-    triton_dense = lambda: triton_kernels.block_sparse_attention(*kernel_args, layout, None, scale, False, out)  # noqa: E731
+    triton_dense = lambda: attention.block_sparse_attention(*kernel_args, layout, None, scale, False, out)  # noqa: E731
     row["ours_dense_ms"] = cuda_time(triton_dense, reps)
-    row["autotuned_tile"] = str(getattr(triton_kernels._attention_kernel, "best_config", None))
-    row["kv_reads"] = triton_kernels.kv_read_mode(q, k_cache, v_cache)
-    pointer_dense = lambda: triton_kernels.block_sparse_attention(*kernel_args, layout, None, scale, False, out, kv_reads="pointer")  # noqa: E731
+    row["autotuned_tile"] = str(getattr(attention._attention_kernel, "best_config", None))
+    row["kv_reads"] = launch.kv_read_mode(q, k_cache, v_cache)
+    pointer_dense = lambda: attention.block_sparse_attention(*kernel_args, layout, None, scale, False, out, kv_reads="pointer")  # noqa: E731
     row["ours_dense_pointer_ms"] = cuda_time(pointer_dense, reps)
-    stage = lambda: triton_kernels.stage_kv(k_cache, v_cache, table, seqlens, layout, range(num_kv))  # noqa: E731
+    stage = lambda: staging.stage_kv(k_cache, v_cache, table, seqlens, layout, range(num_kv))  # noqa: E731
     row["stage_ms"] = cuda_time(stage, reps)
     if args.tiles:
         row["tiles"] = tile_sweep(kernel_args, layout, scale, out, flops, row["cudnn_ms"], reps)
@@ -352,9 +358,9 @@ def bench_length(length, args, results):
             breakdown["launches"] = search_launches(select_args, config, scale, reps)
         index = select_blocks(*select_args, config=config)
         attend = cuda_time(lambda: block_sparse_attention(*kernel_args, index, out=out), reps)
-        unsplit = lambda: triton_kernels.block_sparse_attention(*kernel_args, index.layout, index, scale, False, out, split_kv=False)  # noqa: B023, E731
+        unsplit = lambda: attention.block_sparse_attention(*kernel_args, index.layout, index, scale, False, out, split_kv=False)  # noqa: B023, E731
         attend_unsplit = cuda_time(unsplit, reps)
-        pointer = lambda: triton_kernels.block_sparse_attention(*kernel_args, index.layout, index, scale, False, out, kv_reads="pointer")  # noqa: B023, E731
+        pointer = lambda: attention.block_sparse_attention(*kernel_args, index.layout, index, scale, False, out, kv_reads="pointer")  # noqa: B023, E731
         attend_pointer = cuda_time(pointer, reps)
         sparse_out, _ = sparse_prefill_attention(*kernel_args, config=config)
         err = ((sparse_out.float() - dense_out).norm() / dense_out.norm()).item()
@@ -379,7 +385,7 @@ def bench_real(path: Path, estimators: list[str], repeats: int, page_size: int) 
     seqlens = torch.tensor([length], dtype=torch.int32, device="cuda")
     kernel_args = (q, k_cache, v_cache, table, cu, seqlens)
     scale = data.get("scale")
-    dense_out, _ = reference.dense_paged_attention(*kernel_args, softmax_scale=scale)
+    dense_out, _ = attention_reference.dense_paged_attention(*kernel_args, softmax_scale=scale)
     out = torch.empty_like(q)
     base = dict(file=path.name, length=length, heads=heads, kv_heads=k.shape[1], head_dim=head_dim)
     # cuDNN is timed only up to head_dim 128; for Gemma 3 (256) FA2 is the dense baseline.
@@ -462,15 +468,15 @@ def main() -> int:
                   f"| {b['layout_build_ms']:.3f} | {b['host_launch_ms']:.3f} | {100 * s['search_share_of_cudnn']:.2f}% |")  # fmt: skip
     for row in results:
         for s in row["sparse"]:
-            for launch in s["search"].get("launches", []):
-                if launch is s["search"]["launches"][0]:
+            for timed in s["search"].get("launches", []):
+                if timed is s["search"]["launches"][0]:
                     print(f"\nSearch launch shapes at {row['length'] // 1024}K, {s['estimator']} (back to back, ms)")
                     print("| launch | ms | vs the kernel's choice |\n|---|---|---|")
                 base = s["search"]["launches"][0].get("ms")
-                if "error" in launch:
-                    print(f"| {launch['launch']} | - | {launch['error']} |")
+                if "error" in timed:
+                    print(f"| {timed['launch']} | - | {timed['error']} |")
                 else:
-                    print(f"| {launch['launch']} | {launch['ms']:.3f} | {launch['ms'] / base:.2f} |")
+                    print(f"| {timed['launch']} | {timed['ms']:.3f} | {timed['ms'] / base:.2f} |")
     if report["real"]:
         print("\n| layer | N | heads q/kv, d | estimator | FA2 ms | cuDNN ms | sparse ms | select ms | density | rel err vs dense |")
         print("|---|---|---|---|---|---|---|---|---|---|")

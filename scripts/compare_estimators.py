@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
-from prefill_accel import reference  # noqa: E402
+from prefill_accel.ops import search_reference  # noqa: E402
 from prefill_accel.accuracy.metrics import block_attention_mass, selection_quality  # noqa: E402
 
 
@@ -51,20 +51,20 @@ def _per_query_block(q, num_kv: int, block: int, stride: int, pool: int, estimat
 
 
 def pooled_estimate(q, k, block: int, scale: float, stride: int, pool: int | None = None) -> torch.Tensor:
-    """(nb, Hkv, nb): the kernels' pooled-key estimate (``reference.pooled_estimate``) of every
+    """(nb, Hkv, nb): the kernels' pooled-key estimate (``search_reference.pooled_estimate``) of every
     ``stride``-th query row. With ``pool`` (a divisor of the block) the means are of ``pool``-key
     sub-blocks and a block's estimate sums its sub-blocks' shares."""
     pool = pool or block
-    mean_k, sizes = reference.pooled_blocks(k.float(), pool)
-    estimate = lambda rows, n: reference.pooled_estimate(rows, mean_k[:n], sizes[:n], scale)  # noqa: E731
+    mean_k, sizes = search_reference.pooled_blocks(k.float(), pool)
+    estimate = lambda rows, n: search_reference.pooled_estimate(rows, mean_k[:n], sizes[:n], scale)  # noqa: E731
     return _per_query_block(q, k.shape[1], block, stride, pool, estimate)
 
 
 def bound_estimate(q, k, block: int, scale: float, stride: int) -> torch.Tensor:
-    """(nb, Hkv, nb): the kernels' key-bound estimate (``reference.bound_estimate``), q+ . max key +
+    """(nb, Hkv, nb): the kernels' key-bound estimate (``search_reference.bound_estimate``), q+ . max key +
     q- . min key in place of q . mean key."""
-    max_k, min_k, sizes = reference.bounding_blocks(k.float(), block)
-    estimate = lambda rows, n: reference.bound_estimate(rows, max_k[:n], min_k[:n], sizes[:n], scale)  # noqa: E731
+    max_k, min_k, sizes = search_reference.bounding_blocks(k.float(), block)
+    estimate = lambda rows, n: search_reference.bound_estimate(rows, max_k[:n], min_k[:n], sizes[:n], scale)  # noqa: E731
     return _per_query_block(q, k.shape[1], block, stride, block, estimate)
 
 

@@ -37,8 +37,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
-from prefill_accel import SparsePrefillConfig, triton_kernels  # noqa: E402
+from prefill_accel import SparsePrefillConfig  # noqa: E402
 from prefill_accel.layout import BatchLayout  # noqa: E402
+from prefill_accel.ops import attention, search, staging  # noqa: E402
 
 SHARED_LIMIT = {90: 232448}  # bytes per block with the opt-in maximum
 JOBS: list = []  # the launches to compile, shared with forked workers (kernels do not pickle)
@@ -111,14 +112,14 @@ def run_host_functions() -> None:
             for estimator in ("pooled", "bound", "mixed", "exact"):
                 config = SparsePrefillConfig(min_q_len=0, estimator=estimator, last_query_blocks=1)
                 layout = BatchLayout.build(cu, seqlens, config, q.device)
-                index = triton_kernels.select_blocks(q, k_cache, table, cu, seqlens, layout, config, head_dim**-0.5)
+                index = search.select_blocks(q, k_cache, table, cu, seqlens, layout, config, head_dim**-0.5)
             index.counts.fill_(1)  # nothing ran: give the host code an index it can read
             index.indices.zero_()
-            triton_kernels.gather_kv(k_cache, k_cache, table, 0, length)  # the dense route's gather
+            staging.gather_kv(k_cache, k_cache, table, 0, length)  # the dense route's gather
             for reads in modes:
                 args = (q, k_cache, k_cache, table, cu, seqlens, layout)
-                triton_kernels.block_sparse_attention(*args, None, 0.1, False, None, kv_reads=reads)
-                triton_kernels.block_sparse_attention(*args, index, 0.1, True, None, kv_reads=reads)
+                attention.block_sparse_attention(*args, None, 0.1, False, None, kv_reads=reads)
+                attention.block_sparse_attention(*args, index, 0.1, True, None, kv_reads=reads)
 
 
 def die_with_parent() -> None:

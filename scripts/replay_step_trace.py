@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Replay a step trace (PREFILL_ACCEL_STEP_TRACE) through the step-time model and report its errors.
 
-Each traced step is predicted by a fresh `prefill_accel.scheduling.StepTimeModel` fed every step before it,
+Each traced step is predicted by a fresh `prefill_accel.scheduling.step_time.StepTimeModel` fed every step before it,
 as the engine's model was, then fed to it. The table groups the steps by kind (decodes only, decodes with a
 prefill chunk, prefill chunks only) and chunk size, with the measured and predicted step time (medians) and
 the median relative error. With --capture-size N the chunk sizes are split at N tokens, where vLLM stops
@@ -27,7 +27,7 @@ def read_trace(path: Path) -> list[dict]:
 
 def replay(steps: list[dict], token_scale: int, max_model_len: int) -> list[tuple[dict, float]]:
     """(step, prediction before it) for every step of each engine process in the trace, in order."""
-    from prefill_accel.scheduling import STEP_FEATURES, StepTimeModel
+    from prefill_accel.scheduling.step_time import STEP_FEATURES, StepTimeModel
 
     models: dict[int, StepTimeModel] = {}
     predicted = []

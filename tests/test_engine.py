@@ -19,7 +19,7 @@ from prefill_accel.engine.startup import EngineFacts, check_flags
 from prefill_accel.flags import HELP, SUFFIXES, settings_from_flags
 from prefill_accel.layout import BatchLayout
 from prefill_accel.runs import split_long_prefills
-from prefill_accel.scheduling import Chunk
+from prefill_accel.scheduling.prefills import Chunk
 
 ROOT = Path(__file__).resolve().parents[1]
 

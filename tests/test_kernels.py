@@ -16,7 +16,7 @@ from prefill_accel import (
     sparse_prefill_attention,
 )
 from prefill_accel import layout as layout_module
-from prefill_accel import reference, triton_kernels
+from prefill_accel.ops import attention, attention_reference, common, launch, search, search_reference, staging, staging_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -39,7 +39,7 @@ def poisoned_out(q: torch.Tensor) -> torch.Tensor:
 def test_threshold_zero_is_dense_attention(page_size, dtype, heads):
     batch = make_batch(**MIXED, num_heads=heads[0], num_kv_heads=heads[1], page_size=page_size, dtype=dtype, device=DEVICE)
     out, lse = sparse_prefill_attention(*batch.args, config=sparse_config(threshold=0.0), out=poisoned_out(batch.q))
-    want, want_lse = reference.dense_paged_attention(*batch.args)
+    want, want_lse = attention_reference.dense_paged_attention(*batch.args)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all(), "every output row and lse must be written"
     assert rel_err(out, want) < TOL[dtype]
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
@@ -51,7 +51,7 @@ def test_head_dims(head_dim):
     config = sparse_config()
     index = select_blocks(*batch.search_args, config=config)
     out, lse = sparse_prefill_attention(*batch.args, config=config, out=poisoned_out(batch.q))
-    want, want_lse = reference.block_masked_attention(*batch.args, index)
+    want, want_lse = attention_reference.block_masked_attention(*batch.args, index)
     assert rel_err(out, want) < TOL[torch.float16]
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
 
@@ -65,11 +65,11 @@ def test_sparse_equals_masked_reference_under_own_index(page_size, dtype, heads)
     index = select_blocks(*batch.search_args, config=config)
     assert index.density() < 0.9, "structured inputs should leave blocks to prune"
     out, lse = sparse_prefill_attention(*batch.args, config=config, out=poisoned_out(batch.q))
-    want, want_lse = reference.block_masked_attention(*batch.args, index)
+    want, want_lse = attention_reference.block_masked_attention(*batch.args, index)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert rel_err(out, want) < TOL[dtype]
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
-    dense, _ = reference.dense_paged_attention(*batch.args)
+    dense, _ = attention_reference.dense_paged_attention(*batch.args)
     assert rel_err(want, dense) > 1e-3, "pruning must change the output on these inputs"
 
 
@@ -80,15 +80,15 @@ def test_long_dense_rows_split_over_the_keys_match_the_reference(monkeypatch, pa
     made to happen at test sizes: rows of 2+ blocks split, ranges of 1+ block, at most 3 of them so
     the last range is ragged."""
     monkeypatch.setattr(layout_module, "LONG_ROW_BLOCKS", 2)
-    monkeypatch.setattr(triton_kernels, "MIN_SPLIT_BLOCKS", 1)
-    monkeypatch.setattr(triton_kernels, "MAX_SPLITS", 3)
+    monkeypatch.setattr(launch, "MIN_SPLIT_BLOCKS", 1)
+    monkeypatch.setattr(launch, "MAX_SPLITS", 3)
     batch = make_batch(q_lens=[520, 70, 40], k_lens=[520, 600, 460], num_heads=heads[0], num_kv_heads=heads[1],
                        page_size=page_size, device=DEVICE)  # fmt: skip
     config = sparse_config(last_query_blocks=1, min_q_len=64)  # the 40-token chunk is dense as a whole
     index = select_blocks(*batch.search_args, config=config)
     assert index.layout.long_rows.tolist() == [8, 10, 11, 12] and index.layout.long_row_blocks == 9
     out, lse = sparse_prefill_attention(*batch.args, config=config, out=poisoned_out(batch.q))
-    want, want_lse = reference.block_masked_attention(*batch.args, index)
+    want, want_lse = attention_reference.block_masked_attention(*batch.args, index)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all(), "every output row and lse must be written"
     assert rel_err(out, want) < TOL[torch.float16]
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
@@ -105,11 +105,11 @@ def test_explicit_tile_without_split_matches_the_reference(monkeypatch, tile):
     index = select_blocks(*batch.search_args, config=config)
     assert index.layout.long_rows.numel() == 2, "rows that would split, left to one program each"
     block_m, block_n, warps = tile
-    out, lse = triton_kernels.block_sparse_attention(
+    out, lse = attention.block_sparse_attention(
         *batch.args, index.layout, index, batch.q.shape[2] ** -0.5, False, poisoned_out(batch.q),
         tile=triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=1), split_kv=False,
     )  # fmt: skip
-    want, want_lse = reference.block_masked_attention(*batch.args, index)
+    want, want_lse = attention_reference.block_masked_attention(*batch.args, index)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert rel_err(out, want) < TOL[torch.float16]
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
@@ -132,16 +132,16 @@ def test_tma_reads_match_the_reference(monkeypatch, page_size, threshold):
     """K/V read by bulk tensor copies (forced on; the interpreter emulates them): from a staged copy
     when pages are smaller than a tile, from the cache itself at page 64, whose last pages hold NaN
     past each sequence."""
-    monkeypatch.setattr(triton_kernels, "KV_READS", "tma")
+    monkeypatch.setattr(launch, "KV_READS", "tma")
     batch = make_batch(**MIXED, num_heads=8, num_kv_heads=2, page_size=page_size, dtype=torch.bfloat16, device=DEVICE)
     poison_rows_past_the_end(batch)
-    assert triton_kernels._pages_hold_tiles(batch.k_cache) == (page_size == 64)
+    assert staging.pages_hold_tiles(batch.k_cache) == (page_size == 64)
     config = sparse_config(threshold=threshold)
     out, lse = sparse_prefill_attention(*batch.args, config=config, out=poisoned_out(batch.q))
     if threshold == 0:
-        want, want_lse = reference.dense_paged_attention(*batch.args)
+        want, want_lse = attention_reference.dense_paged_attention(*batch.args)
     else:
-        want, want_lse = reference.block_masked_attention(*batch.args, select_blocks(*batch.search_args, config=config))
+        want, want_lse = attention_reference.block_masked_attention(*batch.args, select_blocks(*batch.search_args, config=config))
     assert torch.isfinite(out).all() and torch.isfinite(lse).all(), "every output row and lse must be written"
     assert rel_err(out, want) < TOL[torch.bfloat16]
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
@@ -149,17 +149,17 @@ def test_tma_reads_match_the_reference(monkeypatch, page_size, threshold):
 
 def test_tma_staging_in_head_groups_with_mean_correction(monkeypatch):
     """A staging budget below one KV head's copy: each head is staged and launched on its own."""
-    monkeypatch.setattr(triton_kernels, "KV_READS", "tma")
-    monkeypatch.setattr(triton_kernels, "STAGE_BYTES", 1)
+    monkeypatch.setattr(launch, "KV_READS", "tma")
+    monkeypatch.setattr(launch, "STAGE_BYTES", 1)
     staged = []
-    stage = triton_kernels.stage_kv
-    monkeypatch.setattr(triton_kernels, "stage_kv", lambda *a: staged.append(a[-1]) or stage(*a))
+    stage = staging.stage_kv
+    monkeypatch.setattr(staging, "stage_kv", lambda *a: staged.append(a[-1]) or stage(*a))
     batch = make_batch(**MIXED, num_heads=6, num_kv_heads=3, device=DEVICE)
     config = sparse_config(mean_correction=True)
     index = select_blocks(*batch.search_args, config=config)
     out, lse = sparse_prefill_attention(*batch.args, config=config, out=poisoned_out(batch.q))
     assert staged == [range(0, 1), range(1, 2), range(2, 3)]
-    want, want_lse = reference.block_masked_attention(*batch.args, index, mean_correction=True)
+    want, want_lse = attention_reference.block_masked_attention(*batch.args, index, mean_correction=True)
     assert rel_err(out, want) < TOL[torch.float16]
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
 
@@ -167,16 +167,16 @@ def test_tma_staging_in_head_groups_with_mean_correction(monkeypatch):
 def test_staged_copy_holds_each_key_block():
     batch = make_batch(q_lens=[70, 0, 33], k_lens=[200, 90, 161], num_heads=6, num_kv_heads=3, device=DEVICE)
     layout = layout_module.BatchLayout.build(batch.cu_seqlens_q, batch.seqlens_k, sparse_config(), batch.q.device)
-    staging = layout.staging
+    pages = layout.staging
     # Blocks of 64: 4 of the first sequence, none of the second (no queries), 3 of the third.
-    assert staging.seq.tolist() == [0, 0, 0, 0, 2, 2, 2] and staging.block.tolist() == [0, 1, 2, 3, 0, 1, 2]
-    assert staging.table[0].tolist() == [0, 1, 2, 3] and staging.table[2, :3].tolist() == [4, 5, 6]
-    keys, values = triton_kernels.stage_kv(batch.k_cache, batch.v_cache, batch.page_table, batch.seqlens_k, layout, range(1, 3))
-    for page, (seq, block) in enumerate(zip(staging.seq.tolist(), staging.block.tolist())):
+    assert pages.seq.tolist() == [0, 0, 0, 0, 2, 2, 2] and pages.block.tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert pages.table[0].tolist() == [0, 1, 2, 3] and pages.table[2, :3].tolist() == [4, 5, 6]
+    keys, values = staging.stage_kv(batch.k_cache, batch.v_cache, batch.page_table, batch.seqlens_k, layout, range(1, 3))
+    for page, (seq, block) in enumerate(zip(pages.seq.tolist(), pages.block.tolist())):
         k_len = batch.seqlens_k[seq].item()
         pos = torch.arange(block * 64, (block + 1) * 64).clamp(max=k_len - 1)  # past the end: the last row again
         for staged, cache in ((keys, batch.k_cache), (values, batch.v_cache)):
-            want = reference.gather_kv(cache, batch.page_table, seq, k_len)[pos, 1:3]
+            want = staging_reference.gather_kv(cache, batch.page_table, seq, k_len)[pos, 1:3]
             assert torch.equal(staged[page], want)
 
 
@@ -186,11 +186,11 @@ def test_gathered_keys_and_values_of_a_sequence(page_size, head_dim):
     multiple of the gather's tile, into storage laid out heads first."""
     batch = make_batch(q_lens=[5, 40], k_lens=[77, 200], head_dim=head_dim, page_size=page_size, device=DEVICE)
     for seq, k_len in enumerate(batch.seqlens_k.tolist()):
-        keys, values = triton_kernels.gather_kv(batch.k_cache, batch.v_cache, batch.page_table, seq, k_len)
-        assert torch.equal(keys, reference.gather_kv(batch.k_cache, batch.page_table, seq, k_len))
-        assert torch.equal(values, reference.gather_kv(batch.v_cache, batch.page_table, seq, k_len))
+        keys, values = staging.gather_kv(batch.k_cache, batch.v_cache, batch.page_table, seq, k_len)
+        assert torch.equal(keys, staging_reference.gather_kv(batch.k_cache, batch.page_table, seq, k_len))
+        assert torch.equal(values, staging_reference.gather_kv(batch.v_cache, batch.page_table, seq, k_len))
         assert keys.transpose(0, 1).is_contiguous() and values.transpose(0, 1).is_contiguous()
-    empty_k, _ = triton_kernels.gather_kv(batch.k_cache, batch.v_cache, batch.page_table, 0, 0)
+    empty_k, _ = staging.gather_kv(batch.k_cache, batch.v_cache, batch.page_table, 0, 0)
     assert empty_k.shape == (0, batch.k_cache.shape[2], head_dim)
 
 
@@ -198,27 +198,27 @@ def test_kv_read_mode_and_direct_tma_pages(monkeypatch):
     narrow = make_batch([64], [64], head_dim=64, device=DEVICE)
     wide = make_batch([64], [64], head_dim=128, page_size=64, device=DEVICE)
     hopper = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
-    assert triton_kernels.kv_read_mode(narrow.q, narrow.k_cache, narrow.v_cache) == "pointer"
-    assert triton_kernels.kv_read_mode(wide.q, wide.k_cache, wide.v_cache) == ("tma" if hopper else "pointer")
-    long_sparse = triton_kernels.kv_read_mode(wide.q, wide.k_cache, wide.v_cache, sparse_context=32768)
+    assert launch.kv_read_mode(narrow.q, narrow.k_cache, narrow.v_cache) == "pointer"
+    assert launch.kv_read_mode(wide.q, wide.k_cache, wide.v_cache) == ("tma" if hopper else "pointer")
+    long_sparse = launch.kv_read_mode(wide.q, wide.k_cache, wide.v_cache, sparse_context=32768)
     assert long_sparse == ("tma" if hopper else "pointer")
-    assert triton_kernels.kv_read_mode(wide.q, wide.k_cache, wide.v_cache, sparse_context=16384) == "pointer"
+    assert launch.kv_read_mode(wide.q, wide.k_cache, wide.v_cache, sparse_context=16384) == "pointer"
     for forced in ("tma", "pointer"):
-        monkeypatch.setattr(triton_kernels, "KV_READS", forced)
-        assert triton_kernels.kv_read_mode(narrow.q, narrow.k_cache, narrow.v_cache) == forced
+        monkeypatch.setattr(launch, "KV_READS", forced)
+        assert launch.kv_read_mode(narrow.q, narrow.k_cache, narrow.v_cache) == forced
     if not hopper:  # forced TMA where the GPU has none: page-table reads, one warning
-        monkeypatch.setattr(triton_kernels, "KV_READS", "tma")
-        monkeypatch.setattr(triton_kernels, "INTERPRET", False)
-        monkeypatch.setattr(triton_kernels, "_warned", set())
+        monkeypatch.setattr(launch, "KV_READS", "tma")
+        monkeypatch.setattr(launch, "INTERPRET", False)
+        monkeypatch.setattr(common, "_warned", set())
         with pytest.warns(RuntimeWarning, match="compute capability 9.0"):
-            assert triton_kernels.kv_read_mode(narrow.q, narrow.k_cache, narrow.v_cache) == "pointer"
+            assert launch.kv_read_mode(narrow.q, narrow.k_cache, narrow.v_cache) == "pointer"
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert triton_kernels.kv_read_mode(narrow.q, narrow.k_cache, narrow.v_cache) == "pointer"
-    assert not triton_kernels._pages_hold_tiles(narrow.k_cache), "pages of 16 rows are narrower than a tile"
-    assert triton_kernels._pages_hold_tiles(wide.k_cache)
+            assert launch.kv_read_mode(narrow.q, narrow.k_cache, narrow.v_cache) == "pointer"
+    assert not staging.pages_hold_tiles(narrow.k_cache), "pages of 16 rows are narrower than a tile"
+    assert staging.pages_hold_tiles(wide.k_cache)
     heads_apart = wide.k_cache.transpose(1, 2).contiguous().transpose(1, 2)
-    assert not triton_kernels._pages_hold_tiles(heads_apart), "a row of the cache must hold every head side by side"
+    assert not staging.pages_hold_tiles(heads_apart), "a row of the cache must hold every head side by side"
 
 
 @pytest.mark.parametrize(
@@ -236,16 +236,31 @@ def test_selection_matches_reference_search(estimator, head_dim, heads):
     )
     for config in configs:
         got = select_blocks(*batch.search_args, config=config)
-        want = reference.select_blocks(*batch.search_args, config=config)
+        want = search_reference.select_blocks(*batch.search_args, config=config)
         torch.testing.assert_close(got.scores, want.scores, atol=2e-3, rtol=2e-2)
         got_mask, want_mask = got.to_mask(), want.to_mask()
         # Decisions may differ only where the estimate sits at the cut within rounding.
         cut = config.threshold * want.scores.amax(-1, keepdim=True)
         if config.target_mass:
-            cut = torch.minimum(cut, reference.mass_cut(want.scores, config.target_mass))
+            cut = torch.minimum(cut, search_reference.mass_cut(want.scores, config.target_mass))
         clear = (want.scores - cut).abs() > 5e-3
         assert torch.equal(got_mask[clear], want_mask[clear])
         assert torch.equal(got.counts, got_mask.sum(-1).int())
+
+
+def test_the_search_does_not_depend_on_its_launch_shape():
+    """Rows per chunk, key-tile width and warps change how the selection kernel walks a query block
+    (here 48 scored rows: one chunk, or two and three of 32 and 16), not what it finds."""
+    batch = make_batch(**MIXED, num_heads=6, num_kv_heads=1, head_dim=64, dtype=torch.float16, device=DEVICE)
+    q, k_cache, table, cu, seqlens = batch.search_args
+    config = sparse_config(estimator="mixed", threshold=0.05)
+    layout = layout_module.BatchLayout.build(cu.cpu(), seqlens.cpu(), config, q.device)
+    scale = q.shape[-1] ** -0.5
+    want = search.select_blocks(q, k_cache, table, cu, seqlens, layout, config, scale)
+    for shape in ({"ROW_CHUNK": 16}, {"ROW_CHUNK": 32, "BLOCK_J": 32}, {"BLOCK_J": 128, "num_warps": 8}):
+        got = search.select_blocks(q, k_cache, table, cu, seqlens, layout, config, scale, launch=shape)
+        torch.testing.assert_close(got.scores, want.scores, atol=1e-5, rtol=1e-4)
+        assert torch.equal(got.to_mask(), want.to_mask()), shape
 
 
 @pytest.mark.parametrize("estimator", ["pooled", "bound", "mixed", "exact"])
@@ -292,7 +307,7 @@ def test_exact_estimate_matches_reference(rows, page_size, heads):
     )  # fmt: skip
     config = sparse_config(estimator="exact", exact_rows=rows, threshold=0.05, min_q_len=64)
     got = select_blocks(*batch.search_args, config=config)
-    want = reference.select_blocks(*batch.search_args, config=config)
+    want = search_reference.select_blocks(*batch.search_args, config=config)
     searched = (want.layout.qblock_dense == 0).to(want.scores.device)
     assert searched.sum() >= 4 and (~searched).sum() >= 2
     torch.testing.assert_close(got.scores, want.scores, atol=1e-4, rtol=1e-3)
@@ -307,11 +322,11 @@ def test_exact_estimate_over_several_tiles_and_sequences():
     batch = make_batch(q_lens=[2800, 300], k_lens=[2800, 700], num_heads=8, num_kv_heads=1, device=DEVICE)
     config = sparse_config(estimator="exact", threshold=0.02)
     got = select_blocks(*batch.search_args, config=config)
-    want = reference.select_blocks(*batch.search_args, config=config)
+    want = search_reference.select_blocks(*batch.search_args, config=config)
     assert got.layout.total_q_blocks > 2 * 16
     torch.testing.assert_close(got.scores, want.scores, atol=1e-4, rtol=1e-3)
     out, lse = sparse_prefill_attention(*batch.args, config=config, out=poisoned_out(batch.q))
-    masked, masked_lse = reference.block_masked_attention(*batch.args, got)
+    masked, masked_lse = attention_reference.block_masked_attention(*batch.args, got)
     assert torch.isfinite(out).all() and rel_err(out, masked) < TOL[batch.q.dtype]
     torch.testing.assert_close(lse, masked_lse, atol=1e-3, rtol=1e-4)
 
@@ -353,7 +368,7 @@ def test_short_sequences_are_dense():
     short = layout.qblock_seq.cpu() == 1
     assert index.to_mask()[short.to(index.counts.device)].sum() == int((layout.qblock_pos[short].long() + 1).sum()) * 2
     out, _ = sparse_prefill_attention(*batch.args, config=config)
-    want, _ = reference.dense_paged_attention(*batch.args)
+    want, _ = attention_reference.dense_paged_attention(*batch.args)
     assert rel_err(out[300:], want[300:]) < TOL[torch.float16]
 
 
@@ -363,8 +378,8 @@ def test_mean_correction_matches_reference(query_stride):
     config = sparse_config(mean_correction=True, query_stride=query_stride)
     index = select_blocks(*batch.search_args, config=config)
     out, lse = sparse_prefill_attention(*batch.args, config=config, out=poisoned_out(batch.q))
-    want, want_lse = reference.block_masked_attention(*batch.args, index, mean_correction=True)
-    plain, _ = reference.block_masked_attention(*batch.args, index)
+    want, want_lse = attention_reference.block_masked_attention(*batch.args, index, mean_correction=True)
+    plain, _ = attention_reference.block_masked_attention(*batch.args, index)
     assert rel_err(out, want) < TOL[torch.float16]
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
     assert rel_err(want, plain) > 1e-3, "the correction must contribute on these inputs"
@@ -400,7 +415,7 @@ def test_unsupported_inputs_fall_back_to_dense_with_one_warning():
     api._warned.clear()
     with pytest.warns(RuntimeWarning, match="dense PyTorch path"):
         out, lse = sparse_prefill_attention(*batch.args, config=sparse_config(threshold=1.0))
-    want, want_lse = reference.dense_paged_attention(*batch.args)
+    want, want_lse = attention_reference.dense_paged_attention(*batch.args)
     torch.testing.assert_close(out, want.to(out.dtype), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse)
     import warnings
@@ -414,7 +429,7 @@ def test_odd_head_dim_falls_back():
     batch = make_batch([80], [80], head_dim=96, device=DEVICE)
     with pytest.warns(RuntimeWarning, match="head_dim 96"):
         out, _ = sparse_prefill_attention(*batch.args, config=sparse_config())
-    want, _ = reference.dense_paged_attention(*batch.args)
+    want, _ = attention_reference.dense_paged_attention(*batch.args)
     assert rel_err(out, want) < TOL[torch.float16]
 
 
@@ -543,7 +558,7 @@ def test_split_kv_is_chosen_where_it_measured_faster(q_len, k_len, heads, split)
     config = SparsePrefillConfig(min_q_len=0)  # as the benchmark ran them
     layout = layout_module.BatchLayout.build(cu, torch.tensor([k_len], dtype=torch.int32), config, "cpu")
     assert layout.long_rows.numel() == 1
-    assert triton_kernels.split_pays(layout, heads, sms=132) is split
+    assert launch.split_pays(layout, heads, sms=132) is split
 
 
 @pytest.mark.parametrize(
@@ -559,5 +574,5 @@ def test_exact_estimate_splits_the_keys_where_tiles_are_few(q_len, k_len, kv_hea
     layout = layout_module.BatchLayout.build(
         torch.tensor([0, q_len], dtype=torch.int32), torch.tensor([k_len], dtype=torch.int32), config, "cpu"
     )
-    tiles = -(-layout.total_q_blocks // (triton_kernels.EXACT_TILE_ROWS // 4))
-    assert triton_kernels.exact_splits(layout, tiles * kv_heads, sms=132) == splits
+    tiles = -(-layout.total_q_blocks // (launch.EXACT_TILE_ROWS // 4))
+    assert launch.exact_splits(layout, tiles * kv_heads, sms=132) == splits

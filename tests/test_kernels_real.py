@@ -7,7 +7,7 @@ import torch
 
 from kernel_inputs import Batch, rel_err
 from prefill_accel import SparsePrefillConfig, select_blocks, sparse_prefill_attention
-from prefill_accel import reference
+from prefill_accel.ops import attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LENGTH = 448
@@ -48,7 +48,7 @@ def test_real_activations_dense_and_sparse(layer_qkv, dtype, page_size):
     batch = paged_batch(layer_qkv, dtype, page_size, chunk=130)
     dense_config = SparsePrefillConfig(block_size=64, threshold=0.0, min_q_len=0)
     out, lse = sparse_prefill_attention(*batch.args, config=dense_config, out=torch.full_like(batch.q, float("nan")))
-    want, want_lse = reference.dense_paged_attention(*batch.args)
+    want, want_lse = attention_reference.dense_paged_attention(*batch.args)
     tol = 5e-3 if dtype == torch.float16 else 2e-2
     assert rel_err(out, want) < tol
     torch.testing.assert_close(lse, want_lse, atol=2e-3, rtol=1e-4)
@@ -59,7 +59,7 @@ def test_real_activations_dense_and_sparse(layer_qkv, dtype, page_size):
     index = select_blocks(*batch.search_args, config=config)
     assert index.density() < 1.0
     out, lse = sparse_prefill_attention(*batch.args, config=config, out=torch.full_like(batch.q, float("nan")))
-    masked, masked_lse = reference.block_masked_attention(*batch.args, index)
+    masked, masked_lse = attention_reference.block_masked_attention(*batch.args, index)
     assert rel_err(out, masked) < tol
     torch.testing.assert_close(lse, masked_lse, atol=2e-3, rtol=1e-4)
     # Past its partial first block, the continuation chunk attends exactly like the same rows of

@@ -2,16 +2,9 @@
 
 import pytest
 
-from prefill_accel.scheduling import (
-    STARVATION_STEPS,
-    Chunk,
-    PartialPrefills,
-    PrefillTime,
-    StepTimeModel,
-    aged_remaining,
-    attention_pairs,
-    water_level,
-)
+from prefill_accel.scheduling.prefills import Chunk, PartialPrefills, aged_remaining, water_level
+from prefill_accel.scheduling.step_budget import STARVATION_STEPS, PrefillTime
+from prefill_accel.scheduling.step_time import StepTimeModel, attention_pairs
 
 MAX_MODEL_LEN = 131072
 # A step as measured on the H200 (SmolLM2 under vLLM serve): ~2 ms of fixed cost and decodes, ~1.5 ms

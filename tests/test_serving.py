@@ -78,7 +78,9 @@ def test_stream_times_first_text_not_the_role_chunk(api):
         done = client.stream_completion(client.Server(stub.url), api, MODEL, prompt, 6)
         logged = stub.state.log[0]
     assert 0.15 <= done.ttft_s < 0.25
-    assert done.e2e_s - done.ttft_s >= 5 * 0.01
+    # The last text leaves the stub 5 intervals after the first; a loaded machine may read the first
+    # one late, so the bound is on the whole stream, which the client cannot see end early.
+    assert done.e2e_s >= 0.15 + 5 * 0.01
     assert done.text == answer(prompt, 6)
     assert (done.chunks, done.completion_tokens, done.finish_reason) == (6, 6, "length")
     assert done.prompt_tokens == logged["prompt_tokens"] == 500 + (7 if api == "chat" else 0)

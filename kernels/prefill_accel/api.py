@@ -8,10 +8,11 @@ import warnings
 
 import torch
 
-from . import reference, stats
+from . import stats
 from .config import SUPPORTED_HEAD_DIMS, SparsePrefillConfig
 from .dense_route import CUDNN_ROUTE
 from .layout import BatchLayout, BlockIndex, causal_block_count
+from .ops import attention_reference, search_reference
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -171,7 +172,7 @@ def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
 
 
 def _dense_fallback(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, scale, out):
-    o, lse = reference.dense_paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, scale)
+    o, lse = attention_reference.dense_paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, scale)
     if out is None:
         out = torch.empty_like(q)
     out.copy_(o.to(q.dtype))
@@ -227,7 +228,7 @@ def sparse_prefill_attention(
     if reason is not None:
         _warn_once(reason)
         return _dense_fallback(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, scale, out)
-    from . import triton_kernels
+    from .ops import attention, search
 
     if layout is None:
         cu_q, k_lens = host_lengths[0].tolist(), host_lengths[1].tolist()
@@ -243,10 +244,10 @@ def sparse_prefill_attention(
         if layout is None:
             layout = BatchLayout.build(*host_lengths, config, q.device)
         if not layout.all_dense:
-            index = triton_kernels.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, layout, config, scale)
+            index = search.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, layout, config, scale)
     select_ms = clock.lap() if clock is not None else 0.0
     if result is None:
-        result = triton_kernels.block_sparse_attention(
+        result = attention.block_sparse_attention(
             q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout, index, scale, config.mean_correction, out
         )
     if recorder is not None:
@@ -274,11 +275,11 @@ def select_blocks(
     reason = _unsupported_reason(q, k_cache)
     if reason is not None:
         _warn_once(reason)
-        return reference.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, config, scale)
-    from . import triton_kernels
+        return search_reference.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, config, scale)
+    from .ops import search
 
     layout = BatchLayout.build(*host_lengths, config, q.device)
-    return triton_kernels.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, layout, config, scale)
+    return search.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, layout, config, scale)
 
 
 def block_sparse_attention(
@@ -309,14 +310,14 @@ def block_sparse_attention(
     reason = _unsupported_reason(q, k_cache)
     if reason is not None:
         _warn_once(reason)
-        o, lse = reference.block_masked_attention(
+        o, lse = attention_reference.block_masked_attention(
             q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, index, scale, mean_correction
         )
         out = torch.empty_like(q) if out is None else out
         out.copy_(o.to(q.dtype))
         return out, lse
-    from . import triton_kernels
+    from .ops import attention
 
-    return triton_kernels.block_sparse_attention(
+    return attention.block_sparse_attention(
         q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, layout, index, scale, mean_correction, out
     )

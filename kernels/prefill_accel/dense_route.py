@@ -44,7 +44,7 @@ class CudnnRoute:
 
     def __call__(self, q, k_cache, v_cache, page_table, q_lens, scale: float, out):
         """(out, lse) of the batch, or None when cuDNN refuses (said once, with a warning)."""
-        from .triton_kernels import gather_kv
+        from .ops.staging import gather_kv
 
         group = q.shape[1] // k_cache.shape[2]
         single = len(q_lens) == 1

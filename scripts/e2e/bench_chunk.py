@@ -33,15 +33,14 @@ sys.path.insert(0, str(ROOT / "kernels"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_kernels import cuda_time, paged, structured_qkv  # noqa: E402
-from prefill_accel import triton_kernels  # noqa: E402
 from prefill_accel import (  # noqa: E402
     BatchLayout,
     SparsePrefillConfig,
     block_sparse_attention,
-    reference,
     select_blocks,
     sparse_prefill_attention,
 )
+from prefill_accel.ops import attention, attention_reference, search  # noqa: E402
 
 
 def chunk_inputs(q_full, k, v, chunk: int, page_size: int):
@@ -90,7 +89,7 @@ def time_chunk(name: str, q, k_cache, v_cache, table, cu, seqlens, config, scale
     got, _ = sparse_prefill_attention(*args, config=dense_config, softmax_scale=scale)
     row["dense_mode_err_vs_fa3"] = ((got.float() - want).norm() / want.norm()).item()
     if length <= 32768:  # the float32 reference on the whole chunk
-        ref, _ = reference.dense_paged_attention(*args, softmax_scale=scale)
+        ref, _ = attention_reference.dense_paged_attention(*args, softmax_scale=scale)
         row["fa3_err_vs_reference"] = ((want - ref).norm() / ref.norm()).item()
     row["speedup_vs_fa3"] = row["fa3_ms"] / row["total_layout_ms"]
     return row
@@ -117,12 +116,12 @@ def time_prefill(name: str, q_full, k, v, chunk: int, page_size: int, config, sc
             )  # fmt: skip
 
         layout = BatchLayout.build(cu.cpu(), seqlens.cpu(), config, q.device)
-        search = lambda: triton_kernels.select_blocks(q, k_cache, table, cu, seqlens, layout, config, scale)  # noqa: B023, E731
-        index = None if layout.all_dense else search()
-        attend = lambda: triton_kernels.block_sparse_attention(*args, layout, index, scale, False, out)  # noqa: B023, E731
+        run_search = lambda: search.select_blocks(q, k_cache, table, cu, seqlens, layout, config, scale)  # noqa: B023, E731
+        index = None if layout.all_dense else run_search()
+        attend = lambda: attention.block_sparse_attention(*args, layout, index, scale, False, out)  # noqa: B023, E731
         whole = lambda: sparse_prefill_attention(*args, config=config, softmax_scale=scale, out=out, layout=layout)  # noqa: B023, E731
         totals["fa3_ms"] += cuda_time(fa3, repeats)
-        totals["select_ms"] += 0.0 if index is None else cuda_time(search, repeats)
+        totals["select_ms"] += 0.0 if index is None else cuda_time(run_search, repeats)
         totals["attention_ms"] += cuda_time(attend, repeats)
         totals["total_layout_ms"] += cuda_time(whole, repeats)
         blocks = layout.causal_blocks() * k_cache.shape[2]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import reference
+from ..ops import attention_reference, search_reference
 from ..api import block_sparse_attention, select_blocks
 from ..config import SparsePrefillConfig
 from ..layout import BlockIndex
@@ -134,8 +134,8 @@ def sparse_attention(
         index = select_blocks(packed_q, k_cache, page_table, cu_seqlens_q, seqlens_k, config, scale)
         out, _ = block_sparse_attention(*inputs, index, scale, config.mean_correction)
         return out, index
-    index = reference.select_blocks(packed_q, k_cache, page_table, cu_seqlens_q, seqlens_k, config, scale)
-    out, _ = reference.block_masked_attention(*inputs, index, scale, config.mean_correction)
+    index = search_reference.select_blocks(packed_q, k_cache, page_table, cu_seqlens_q, seqlens_k, config, scale)
+    out, _ = attention_reference.block_masked_attention(*inputs, index, scale, config.mean_correction)
     return out.to(q.dtype), index
 
 

@@ -19,7 +19,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ..scheduling import STEP_FEATURES, Chunk, PartialPrefills, PrefillTime, aged_remaining, attention_pairs
+from ..scheduling.prefills import Chunk, PartialPrefills, aged_remaining
+from ..scheduling.step_budget import PrefillTime
+from ..scheduling.step_time import STEP_FEATURES, attention_pairs
 
 # Scheduled steps waiting for their output; more than the deepest batch queue in use.
 MAX_IN_FLIGHT_STEPS = 8

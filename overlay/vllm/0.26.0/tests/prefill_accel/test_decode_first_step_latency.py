@@ -43,7 +43,7 @@ class FakeGpu:
         return self.now
 
     def run(self, output) -> None:
-        from prefill_accel.scheduling import attention_pairs
+        from prefill_accel.scheduling.step_time import attention_pairs
 
         pairs = context = 0
         for req_id, n in output.num_scheduled_tokens.items():
@@ -129,7 +129,7 @@ def test_a_chunk_that_cannot_fit_its_context_read_waits_instead_of_crawling():
     # document cannot fit next to the decodes at any size. Cutting them to a few tokens would
     # overrun the target in every step for little progress; they wait, and one step in
     # STARVATION_STEPS takes a whole chunk, so the document still finishes.
-    from prefill_accel.scheduling import STARVATION_STEPS
+    from prefill_accel.scheduling.step_budget import STARVATION_STEPS
 
     target_ms = 10.0
     scheduler = make_scheduler(max_num_batched_tokens=512, max_step_latency_ms=target_ms)
@@ -176,7 +176,7 @@ def test_without_a_target_prefill_uses_the_whole_budget_left_by_decodes():
 
 
 def test_step_time_model_fits_fixed_token_and_attention_costs():
-    from prefill_accel.scheduling import StepTimeModel, attention_pairs
+    from prefill_accel.scheduling.step_time import StepTimeModel, attention_pairs
 
     c0, c1, c2, p0 = 0.004, 30e-6, 2e-9, 0.001
     model = StepTimeModel(token_scale=2048, pair_scale=2048 * 131072)

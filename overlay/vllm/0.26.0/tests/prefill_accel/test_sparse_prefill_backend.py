@@ -27,7 +27,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
-from prefill_accel import SparsePrefillConfig, reference  # noqa: E402
+from prefill_accel import SparsePrefillConfig  # noqa: E402
+from prefill_accel.ops import attention_reference  # noqa: E402
 from prefill_accel.api import _unsupported_reason  # noqa: E402
 from prefill_accel.flags import kernel_field  # noqa: E402
 
@@ -84,7 +85,7 @@ def reference_flash_attn_varlen_func(calls, windows):
         assert causal is True
         calls.append(cu_seqlens_q.diff().tolist())
         windows.append(list(window_size))
-        o, _ = reference.dense_paged_attention(q, k, v, block_table, cu_seqlens_q, seqused_k, softmax_scale)
+        o, _ = attention_reference.dense_paged_attention(q, k, v, block_table, cu_seqlens_q, seqused_k, softmax_scale)
         out.copy_(o.to(out.dtype))
         return out
 
@@ -178,7 +179,7 @@ def run_forward(impl, query, kv_cache, metadata, the_layer=None):
 
 def dense_expected(query, kv_cache, block_table, batch, seq_lens):
     key_cache, value_cache = kv_cache.transpose(1, 2).split(HEAD_DIM, dim=-1)
-    o, _ = reference.dense_paged_attention(
+    o, _ = attention_reference.dense_paged_attention(
         query, key_cache, value_cache, block_table, cu([q for q, _ in batch]), seq_lens, HEAD_DIM**-0.5
     )
     return o

@@ -17,20 +17,21 @@ import types
 import pytest
 import torch
 
-from prefill_accel import BatchLayout, reference  # noqa: E402
+from prefill_accel import BatchLayout  # noqa: E402
+from prefill_accel.ops import attention_reference, search_reference  # noqa: E402
 from prefill_accel.flags import SUFFIXES, settings_from_flags  # noqa: E402
 
 
 def _reference_varlen(*, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, block_table, **_):
     assert causal is True
-    o, _ = reference.dense_paged_attention(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k.diff(), softmax_scale)
+    o, _ = attention_reference.dense_paged_attention(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k.diff(), softmax_scale)
     return o.to(q.dtype)
 
 
 def _reference_with_kvcache(*, q, k_cache, v_cache, block_table, cache_seqlens, softmax_scale, causal, **_):
     batch = q.shape[0]
     cu = torch.arange(batch + 1, dtype=torch.int32)
-    o, _ = reference.dense_paged_attention(q.squeeze(1), k_cache, v_cache, block_table, cu, cache_seqlens,
+    o, _ = attention_reference.dense_paged_attention(q.squeeze(1), k_cache, v_cache, block_table, cu, cache_seqlens,
                                            softmax_scale)
     return o.to(q.dtype).unsqueeze(1)
 
@@ -55,8 +56,8 @@ def reference_sparse(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, *
                      layout):
     """The kernel's contract by the references: search, then attention over the kept blocks."""
     assert layout.q_lens == tuple(cu_seqlens_q.diff().tolist()) and layout.k_lens == tuple(seqlens_k.tolist())
-    index = reference.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, config, softmax_scale)
-    o, lse = reference.block_masked_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, index,
+    index = search_reference.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, config, softmax_scale)
+    o, lse = attention_reference.block_masked_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, index,
                                               softmax_scale, config.mean_correction)
     out.copy_(o.to(out.dtype))
     return out, lse
@@ -126,7 +127,7 @@ def make_step(seed=0):
 
 def dense_expected(query, kv_cache, metadata):
     """Every row by the float32 reference, on the cache after this step's keys were written."""
-    o, _ = reference.dense_paged_attention(query.view(-1, HEADS, HEAD_DIM), kv_cache[0], kv_cache[1],
+    o, _ = attention_reference.dense_paged_attention(query.view(-1, HEADS, HEAD_DIM), kv_cache[0], kv_cache[1],
                                            metadata.block_tables, metadata.query_start_loc,
                                            metadata.seq_lens_tensor, HEAD_DIM**-0.5)
     return o.reshape(query.shape[0], -1)

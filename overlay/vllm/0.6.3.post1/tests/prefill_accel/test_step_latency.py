@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from prefill_accel.scheduling import attention_pairs
+from prefill_accel.scheduling.step_time import attention_pairs
 from scheduler_harness import BLOCK_SIZE, add, make_scheduler, step
 from vllm.config import SchedulerConfig
 from vllm.engine.arg_utils import EngineArgs

@@ -18,7 +18,7 @@ import time
 from typing import Callable, Iterable, List, Optional, Tuple
 
 from prefill_accel.engine.planner import PlannerOptions, Scheduled, StepPlanner
-from prefill_accel.scheduling import Chunk
+from prefill_accel.scheduling.prefills import Chunk
 
 from vllm.config import CacheConfig, SchedulerConfig
 from vllm.sequence import SequenceGroup, SequenceStatus

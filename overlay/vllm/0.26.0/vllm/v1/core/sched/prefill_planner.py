@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from prefill_accel.engine.planner import PlannerOptions, Scheduled, StepPlanner
-from prefill_accel.scheduling import Chunk
+from prefill_accel.scheduling.prefills import Chunk
 
 from vllm.config import SchedulerConfig
 from vllm.v1.request import Request

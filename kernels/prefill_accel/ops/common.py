@@ -1,0 +1,62 @@
+"""What every Triton kernel of the package shares: the interpreter switch, the dot product that is
+exact under it, and reads of K/V rows through a page table."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# The interpreter (triton 3.6-3.8) multiplies bf16 tl.dot operands as raw integers. Products of
+# bf16/fp16 values are exact in float32, so upcasting first computes what the tensor cores do.
+DOT_IN_FP32 = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def dot(a, b):
+    if DOT_IN_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def kv_slots(page_table_row, pos, PAGE_SIZE: tl.constexpr, mask):
+    """Page and slot of the cache rows holding token positions ``pos`` of one sequence."""
+    page = tl.load(page_table_row + pos // PAGE_SIZE, mask=mask).to(tl.int64)  # masked lanes are never read through
+    return page, (pos % PAGE_SIZE).to(tl.int64)
+
+
+@triton.jit
+def kv_tile(cache, desc, pt_row, k_first, kv_head, kv_column, stride_p, stride_s, stride_h, valid,
+            HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """The BLOCK_N cache rows of one sequence's keys (or values) from position ``k_first`` on.
+
+    With TMA the tile lies in one page (PAGE_SIZE is a multiple of BLOCK_N) and one bulk copy
+    through ``desc``, the cache viewed as (rows, heads * HEAD_DIM), brings it; rows past the
+    sequence come as they lie in the page, and the caller masks them. Otherwise each row is
+    gathered through the page table, rows not ``valid`` (None: all are) read as zeros."""
+    if TMA:
+        page = tl.load(pt_row + k_first // PAGE_SIZE)
+        return desc.load([page * PAGE_SIZE + k_first % PAGE_SIZE, kv_column])
+    else:
+        dims = tl.arange(0, HEAD_DIM)
+        page, slot = kv_slots(pt_row, k_first + tl.arange(0, BLOCK_N), PAGE_SIZE, valid)
+        rows = page * stride_p + slot * stride_s + kv_head * stride_h
+        if valid is None:
+            tile = tl.load(cache + rows[:, None] + dims[None, :])
+        else:
+            tile = tl.load(cache + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        return tile
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
