@@ -15,7 +15,8 @@ from prefill_accel import SparsePrefillConfig
 from prefill_accel.engine.banner import STAMP_NAME, series_banner
 from prefill_accel.engine.layers import LayerTraits, dense_reason
 from prefill_accel.engine.planner import PlannerOptions, PrefillStreak, Scheduled, StepPlanner, srpf_key
-from prefill_accel.engine.startup import EngineFacts, check_flags
+from prefill_accel.engine import startup
+from prefill_accel.engine.startup import ChunkLimit, EngineFacts, check_flags, check_schedule, inert_reason
 from prefill_accel.flags import HELP, SUFFIXES, settings_from_flags
 from prefill_accel.layout import BatchLayout
 from prefill_accel.runs import split_long_prefills
@@ -81,6 +82,75 @@ def test_the_startup_check_warns_about_changed_flags_without_the_backend_and_is_
 def test_a_bad_value_fails_the_startup_check_naming_its_flag():
     with pytest.raises(ValueError, match="--sparse-prefill-block-size"):
         check_flags({"block_size": 100}, True, FACTS, logging.getLogger("startup-test"))
+
+
+def test_a_schedule_that_cannot_reach_the_minimum_length_is_said_once_naming_the_setting(caplog):
+    settings = settings_from_flags({"min_len": 16384})
+    budget = ChunkLimit("--max-num-batched-tokens", 8192)
+    model = ChunkLimit("--max-model-len", 131072, fix="a longer --max-model-len")
+    assert inert_reason(settings, [ChunkLimit("--max-num-batched-tokens", 16384), model]) is None
+    assert inert_reason(settings, []) is None
+    # The tightest limit binds and is the one named, with the fix in the engine's words.
+    cap = ChunkLimit("--long-prefill-token-threshold", 4096)
+    assert inert_reason(settings, [budget, model, cap]) == (
+        "--long-prefill-token-threshold caps a prefill chunk at 4096 tokens, below --sparse-prefill-min-len=16384; "
+        "set --long-prefill-token-threshold 16384 (or lower --sparse-prefill-min-len) for long prompts to take the "
+        "sparse path")  # fmt: skip
+    assert "set a longer --max-model-len" in inert_reason(settings, [ChunkLimit("--max-model-len", 8192, "a longer --max-model-len")])
+    off = ChunkLimit("chunked prefill off", 0, fix="--enable-chunked-prefill --max-num-batched-tokens 16384")
+    assert inert_reason(settings, [off]).startswith("chunked prefill off admits no prefill chunk to it")
+    logger = logging.getLogger("startup-test")
+    with caplog.at_level(logging.INFO, logger="startup-test"):
+        assert check_schedule(None, [budget], FACTS, logger) is None  # without the backend: nothing to say
+        assert check_schedule(settings, [ChunkLimit("--max-num-batched-tokens", 32768)], FACTS, logger) is None
+        assert caplog.records == []
+        reason = check_schedule(settings, [budget, model], FACTS, logger)
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and reason in record.getMessage()
+    assert record.getMessage().startswith("SPARSE_PREFILL never runs: --max-num-batched-tokens caps a prefill chunk at 8192")
+    assert record.getMessage().endswith("every prefill uses FlashAttention")
+
+
+def test_the_package_declares_the_triton_the_kernels_need():
+    import tomllib
+
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"triton>={startup.KERNELS_NEED_TRITON}" in dependencies
+
+
+def test_kernels_that_cannot_import_keep_every_layer_dense_and_are_said_at_startup(monkeypatch, caplog):
+    """On a CUDA machine whose Triton lacks what the kernels import, the layers stay on the engine's
+    dense path and the startup line says why; without CUDA the reference path serves and nothing changes."""
+    import builtins
+    import sys
+
+    real_import = builtins.__import__
+
+    def no_descriptors(name, *args, **kwargs):
+        if name == "triton.tools.tensor_descriptor":
+            raise ImportError("cannot import name 'TensorDescriptor'")
+        return real_import(name, *args, **kwargs)
+
+    settings = settings_from_flags({})
+    startup.kernels_unavailable.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert startup.kernels_unavailable() is None and dense_reason(LayerTraits(head_size=128), settings) is None
+    startup.kernels_unavailable.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(builtins, "__import__", no_descriptors)
+    for module in ("prefill_accel.ops.staging", "prefill_accel.ops.attention", "prefill_accel.ops.search"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    try:
+        reason = startup.kernels_unavailable()
+        assert reason is not None and "need triton >= 3.4" in reason and "TensorDescriptor" in reason
+        assert dense_reason(LayerTraits(head_size=128), settings) == reason
+        with caplog.at_level(logging.INFO, logger="startup-test"):
+            check_flags({}, True, FACTS, logging.getLogger("startup-test"))
+        assert [r.levelname for r in caplog.records] == ["INFO", "WARNING"]
+        assert caplog.records[1].getMessage() == f"SPARSE_PREFILL cannot run its kernels here: {reason}; every layer uses FlashAttention"
+    finally:
+        monkeypatch.undo()
+        startup.kernels_unavailable.cache_clear()
 
 
 def test_every_flag_has_one_help_text_in_the_engines_words():

@@ -807,6 +807,7 @@ def qwen_phase(results: dict, gpus: str, args) -> None:
         ("qwen_needles", lambda: needle_stage(results, gpus, QWEN, lengths, NEEDLE_DEPTHS, "qwen_needles")),
         ("qwen_offline_ttft", lambda: offline_ttft_stage(results, gpus, QWEN, args.lengths, args.repeats,
                                                          "qwen_offline_ttft")),
+        ("qwen_engine_density", lambda: engine_density_stage(results, gpus, QWEN, "qwen_engine_density")),
         ("qwen_serve", lambda: serve_bench_stage(results, gpus, QWEN, args)),
         ("qwen_layer_times", lambda: layer_time_stage(results, gpus, QWEN, args)),
     ):  # fmt: skip
@@ -830,24 +831,28 @@ def chunk_phase(results: dict, gpus: str, args) -> None:
         results["chunk_bench"] = json.loads(out.read_text())
         say("\n".join(line for line in proc.stdout.splitlines() if line.startswith("|")))
 
-    def engine_density() -> None:
-        corpus = Corpus(tokenizer_for("smollm2"), 131072 + 64 * 1024)
-        kwargs = engine_kwargs("smollm2", max_model_len=LONG_LEN, chunk=16384, eager=True, **sparse())
-        # One log line per 30 calls: one chunk through SmolLM2's 30 layers.
-        worker = Worker("smol-stats", "patched", gpus, kwargs, extra_env={"PREFILL_ACCEL_STATS": "30"})
-        try:
-            for length in (32768, 131072):
-                worker.call(op="ttft", prompt=corpus.window(length, 4242 + length))
-        finally:
-            worker.close()
-        lines = [line.split("sparse prefill: ", 1)[1] for line in worker.log.read_text().splitlines()
-                 if "sparse prefill: " in line]  # fmt: skip
-        results["engine_density"] = {"note": "per chunk of 16384 queries, 30 layers each; 32K prompt, then 128K",
-                                     "lines": lines}  # fmt: skip
-        say("engine density:\n" + "\n".join(lines))
-
     run_stage(results, "chunk_bench", bench)
-    run_stage(results, "engine_density", engine_density)
+    run_stage(results, "engine_density", lambda: engine_density_stage(results, gpus, "smollm2", "engine_density"))
+
+
+def engine_density_stage(results: dict, gpus: str, model: str, key: str) -> None:
+    """The density the search keeps inside the engine, and the search's and attention's time per chunk
+    (PREFILL_ACCEL_STATS: one log line per chunk through every layer; each call synchronised, so these
+    are not the TTFT runs): a 32K prompt, then a 128K one."""
+    layers = json.loads((MODELS / model / "config.json").read_text())["num_hidden_layers"]
+    corpus = Corpus(tokenizer_for(model), 131072 + 64 * 1024)
+    kwargs = engine_kwargs(model, max_model_len=long_len(model), chunk=16384, eager=True, **sparse())
+    worker = Worker(f"{model}-stats", "patched", gpus, kwargs, extra_env={"PREFILL_ACCEL_STATS": str(layers)})
+    try:
+        for length in (32768, prompt_len(model, 131072)):
+            worker.call(op="ttft", prompt=corpus.window(length, 4242 + length))
+    finally:
+        worker.close()
+    lines = [line.split("sparse prefill: ", 1)[1] for line in worker.log.read_text().splitlines()
+             if "sparse prefill: " in line]  # fmt: skip
+    results[key] = {"model": model, "lines": lines,
+                    "note": f"per chunk of 16384 queries, {layers} layers each; 32K prompt, then 128K"}  # fmt: skip
+    say(f"{model} engine density:\n" + "\n".join(lines))
 
 
 # --------------------------------------------------------------------------------------------- report
@@ -924,7 +929,7 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated stage names to leave out (smol_equality, "
                         "gemma_needles, offline_ttft, serve_ttft, mixed_load, chunk_bench, engine_density, "
                         "tp2_equality, tp2_ttft, qwen_rope_check, qwen_equality, qwen_needles, qwen_offline_ttft, "
-                        "qwen_serve, qwen_layer_times)")  # fmt: skip
+                        "qwen_engine_density, qwen_serve, qwen_layer_times)")  # fmt: skip
     parser.add_argument("--capture-layers", default="7,21", help="layers of the qwen phase's captured q/k/v")
     parser.add_argument("--model-shape", default="12/2/128", help="query heads / KV heads / head_dim of the qwen "
                         "phase's structured per-layer timing")  # fmt: skip

@@ -2,8 +2,9 @@
 
 An adapter reads a layer's traits off the engine's layer (its attention implementation, its index)
 into LayerTraits; dense_reason says why the layer stays dense on every step, or None when its long
-prefill chunks may go sparse. The reasons are what the kernel cannot compute (it is causal softmax
-attention over a plain paged cache of one head size) and the layers the user keeps dense.
+prefill chunks may go sparse. The reasons are kernels that cannot run in the process, what the kernel
+cannot compute (it is causal softmax attention over a plain paged cache of one head size), and the
+layers the user keeps dense.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 from ..config import SUPPORTED_HEAD_DIMS
 from ..flags import SparsePrefillSettings, flag
+from .startup import kernels_unavailable
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ def dense_reason(traits: LayerTraits, settings: SparsePrefillSettings | None) ->
     """Why every step of the layer stays dense, or None when its long prefill chunks may go sparse."""
     if settings is None:
         return "no settings (engine created without the flags check)"
+    missing = kernels_unavailable()
+    if missing is not None:
+        return missing
     if traits.attention_type is not None:
         return f"attention type {traits.attention_type} (the kernel computes causal self-attention)"
     for present, reason in (

@@ -1,16 +1,25 @@
-"""The startup check of the --sparse-prefill-* flags, the same on every engine: with the backend
-selected, validate them and log the effective values once; without it, warn when they were changed,
-since they then do nothing.
+"""The startup checks of the backend, the same on every engine: with the backend selected, validate
+the --sparse-prefill-* flags and log the effective values once, and say when the kernels cannot run in
+this process; without it, warn when the flags were changed, since they then do nothing. Once the
+engine's scheduler settings are known, warn when they cannot produce a prefill chunk of the minimum
+length, since the backend then never runs.
 
-An adapter gives the flag values (keyed by suffix), whether the backend is selected, and an
-EngineFacts saying how the engine is configured; it applies nothing itself.
+An adapter gives the flag values (keyed by suffix), whether the backend is selected, an EngineFacts
+saying how the engine is configured and, for the schedule, the ChunkLimits its settings impose; it
+applies nothing itself.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 from dataclasses import dataclass
 
-from ..flags import SparsePrefillSettings, changed_flags, help_text, settings_from_flags
+from ..flags import SparsePrefillSettings, changed_flags, flag, help_text, settings_from_flags
+
+KERNELS_NEED_TRITON = "3.4"
+"""The oldest Triton the kernels import with: their TMA reads use triton.tools.tensor_descriptor,
+stable since Triton 3.4."""
 
 
 @dataclass(frozen=True)
@@ -48,4 +57,69 @@ def check_flags(values: dict[str, object], selected: bool, facts: EngineFacts, l
     settings = settings_from_flags(values)
     logger.info("%s attention: %s of >= %d tokens use block-sparse attention (%s); %s use %s", facts.backend,
                 facts.sparse_unit, settings.kernel.min_q_len, settings.describe(), facts.dense_rest, facts.dense)
+    missing = kernels_unavailable()
+    if missing is not None:
+        logger.warning("%s cannot run its kernels here: %s; every layer uses %s", facts.backend, missing, facts.dense)
     return settings
+
+
+@functools.cache
+def kernels_unavailable() -> str | None:
+    """Why the Triton kernels cannot run in this process, or None. Only a CUDA process runs them (on
+    other devices the package computes with its PyTorch reference), so without a CUDA device this is
+    None; with one, the kernel modules are imported (not compiled) once to find out."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        for module in ("attention", "search", "staging"):
+            importlib.import_module(f"..ops.{module}", __package__)
+    except ImportError as error:
+        try:
+            import triton
+
+            found = f"triton {triton.__version__}"
+        except ImportError:
+            found = "no triton"
+        return f"its Triton kernels do not import with {found} ({error}); they need triton >= {KERNELS_NEED_TRITON}"
+    return None
+
+
+@dataclass(frozen=True)
+class ChunkLimit:
+    """One engine setting that bounds how many prefill tokens of one request a step can hold."""
+
+    setting: str
+    """The setting as a user writes it (``--max-num-batched-tokens``)."""
+    tokens: int
+    """The bound it sets; 0 when, so set, no prefill chunk reaches the backend's path at all."""
+    fix: str = ""
+    """What to set instead, in the engine's words; empty: the setting itself, at the minimum length."""
+
+
+def inert_reason(settings: SparsePrefillSettings, limits: list[ChunkLimit]) -> str | None:
+    """Why no prefill chunk can take the sparse path under ``limits``, naming the setting that binds
+    and what to change; None when the longest chunk they allow reaches the minimum length."""
+    if not limits:
+        return None
+    binding = min(limits, key=lambda limit: limit.tokens)
+    minimum = settings.kernel.min_q_len
+    if binding.tokens >= minimum:
+        return None
+    fix = binding.fix or f"{binding.setting} {minimum}"
+    held = "admits no prefill chunk to it" if binding.tokens == 0 else f"caps a prefill chunk at {binding.tokens} tokens"
+    return (f"{binding.setting} {held}, below {flag('min_len')}={minimum}; set {fix} (or lower "
+            f"{flag('min_len')}) for long prompts to take the sparse path")
+
+
+def check_schedule(settings: SparsePrefillSettings | None, limits: list[ChunkLimit], facts: EngineFacts,
+                   logger) -> str | None:  # fmt: skip
+    """With the backend selected (``settings`` not None), one WARNING when the scheduler settings make
+    it inert (see inert_reason): every prefill then uses the dense path. Returns the reason."""
+    if settings is None:
+        return None
+    reason = inert_reason(settings, limits)
+    if reason is not None:
+        logger.warning("%s never runs: %s; until then every prefill uses %s", facts.backend, reason, facts.dense)
+    return reason

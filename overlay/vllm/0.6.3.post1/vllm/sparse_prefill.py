@@ -4,14 +4,16 @@ Placed by the prefill-accel overlay. The flags, names, defaults and help are the
 (``prefill_accel.flags``), as on the other engines; vLLM 0.6.3 selects attention backends with
 ``VLLM_ATTENTION_BACKEND``, so the backend is chosen with ``VLLM_ATTENTION_BACKEND=SPARSE_PREFILL`` and
 tuned with these flags. At engine creation the runtime's startup check validates and logs them
-(``prefill_accel.engine.startup``); the settings reach the attention layers through the cache config.
+(``prefill_accel.engine.startup``), and once the scheduler config is resolved it warns when its
+settings leave the backend inert; the settings reach the attention layers through the cache config.
 """
 
 import argparse
 import os
-from typing import Optional
+from typing import List, Optional
 
-from prefill_accel.engine.startup import EngineFacts, check_flags
+from prefill_accel.engine.startup import (ChunkLimit, EngineFacts,
+                                          check_flags, check_schedule)
 from prefill_accel.flags import (BACKEND_NAME, FIELD_PREFIX, SUFFIXES,
                                  SparsePrefillSettings, flag)
 
@@ -46,3 +48,41 @@ def check_sparse_prefill_flags(engine_args: object,
     }
     selected = os.environ.get("VLLM_ATTENTION_BACKEND") == BACKEND_NAME
     return check_flags(values, selected, FACTS, logger)
+
+
+def schedule_limits(settings: SparsePrefillSettings,
+                    scheduler_config: object) -> List[ChunkLimit]:
+    """What bounds one request's prefill tokens in a V0 step. Without chunked
+    prefill V0 computes prefills from the step's own K/V, not the paged cache,
+    so none reaches the backend; with it, the step's token budget, the model
+    length and the chunk cap of long prefills."""
+    if not scheduler_config.chunked_prefill_enabled:
+        return [
+            ChunkLimit("chunked prefill off",
+                       0,
+                       fix="--enable-chunked-prefill --max-num-batched-tokens "
+                       f"{settings.kernel.min_q_len}")
+        ]
+    limits = [
+        ChunkLimit("--max-num-batched-tokens",
+                   scheduler_config.max_num_batched_tokens),
+        ChunkLimit("--max-model-len",
+                   scheduler_config.max_model_len,
+                   fix="a longer --max-model-len"),
+    ]
+    if scheduler_config.long_prefill_token_threshold > 0:
+        limits.append(
+            ChunkLimit("--long-prefill-token-threshold",
+                       scheduler_config.long_prefill_token_threshold))
+    return limits
+
+
+def check_sparse_prefill_schedule(settings: Optional[SparsePrefillSettings],
+                                  scheduler_config: object,
+                                  logger) -> Optional[str]:
+    """The runtime's check that the resolved scheduler settings let a prefill
+    chunk reach the minimum length; one warning naming the setting when they
+    do not."""
+    limits = [] if settings is None else schedule_limits(
+        settings, scheduler_config)
+    return check_schedule(settings, limits, FACTS, logger)

@@ -363,7 +363,13 @@ print("RESULTS" + json.dumps(results))
 FLAG_CASES = {
     "given": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-threshold", "0.01", "--sparse-prefill-min-len",
               "4096", "--sparse-prefill-dense-layers", "2", "--sparse-prefill-mean-correction",
-              "--sparse-prefill-estimator", "exact", "--sparse-prefill-exact-rows", "2"],
+              "--sparse-prefill-estimator", "exact", "--sparse-prefill-exact-rows", "2", "--max-num-batched-tokens", "4096"],
+    # Schedules no prefill chunk of the minimum length fits (the tiny model's length is 4096).
+    "inert_budget": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-min-len", "2048",
+                     "--max-num-batched-tokens", "1024"],
+    "inert_long_chunks": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-min-len", "2048",
+                          "--max-num-batched-tokens", "4096", "--max-num-partial-prefills", "2"],
+    "inert_model_len": ["--attention-backend", "SPARSE_PREFILL", "--max-num-batched-tokens", "16384"],
     "defaults": ["--attention-backend", "SPARSE_PREFILL"],
     "json_and_flag": ["--attention-backend", "SPARSE_PREFILL", "-ac", '{"sparse_prefill_sink_blocks": 3}',
                       "--sparse-prefill-local-blocks", "5"],
@@ -437,6 +443,24 @@ def test_flags_override_the_attention_config_json(flag_results):
 def test_invalid_flags_fail_at_startup_naming_the_flag(flag_results, case, named):
     error = flag_results[case].get("error", "")
     assert error.startswith("ValueError") and named in error, error
+
+
+@pytest.mark.parametrize(
+    "case, named",
+    [
+        ("inert_budget", "--max-num-batched-tokens caps a prefill chunk at 1024 tokens"),
+        # vLLM's default cap of long prefills with partial prefills on: 4% of the model length.
+        ("inert_long_chunks", "--long-prefill-token-threshold caps a prefill chunk at 163 tokens"),
+        ("inert_model_len", "--max-model-len caps a prefill chunk at 4096 tokens"),
+    ],
+)
+def test_a_schedule_that_leaves_the_backend_inert_is_said_at_startup(flag_results, case, named):
+    result = flag_results[case]
+    assert "error" not in result, result.get("error")
+    [warning] = [message for level, message in result["log"] if level == "WARNING"]
+    assert warning.startswith(f"SPARSE_PREFILL never runs: {named}, below --sparse-prefill-min-len="), warning
+    assert warning.endswith("every prefill uses FlashAttention")
+    assert not [message for level, message in flag_results["given"]["log"] if level == "WARNING"]
 
 
 def test_flags_without_the_backend_warn(flag_results):

@@ -44,7 +44,7 @@ from vllm.attention.backends import sparse_prefill_attn  # noqa: E402
 from vllm.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadata  # noqa: E402
 from vllm.attention.selector import _Backend, backend_name_to_enum, get_attn_backend  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.sparse_prefill import FACTS, check_sparse_prefill_flags  # noqa: E402
+from vllm.sparse_prefill import FACTS, check_sparse_prefill_flags, check_sparse_prefill_schedule  # noqa: E402
 
 PAGE, HEADS, KV_HEADS, HEAD_DIM = 16, 4, 2, 64
 # (query tokens, cached prefix) per request: a long continuation chunk, a short prefill, two decodes.
@@ -214,6 +214,34 @@ def test_flags_parse_validate_and_log(monkeypatch):
     log = Log()
     assert check_sparse_prefill_flags(args, log) is None
     assert log.lines[0][0] == "warning" and "--sparse-prefill-threshold" in log.lines[0][1]
+
+
+def test_a_schedule_that_leaves_the_backend_inert_is_said_at_startup():
+    """V0 turns chunked prefill on only past 32K tokens, and then budgets 512 tokens a step: either way
+    no chunk reaches the default minimum length, and the warning names what to set."""
+    from vllm.config import SchedulerConfig
+
+    settings = settings_from_flags({})
+    cases = [
+        (dict(max_num_batched_tokens=32768, max_model_len=32768, enable_chunked_prefill=False),
+         "chunked prefill off admits no prefill chunk to it, below --sparse-prefill-min-len=16384; set "
+         "--enable-chunked-prefill --max-num-batched-tokens 16384"),
+        (dict(max_num_batched_tokens=None, max_model_len=65536, enable_chunked_prefill=True),
+         "--max-num-batched-tokens caps a prefill chunk at 512 tokens"),
+        (dict(max_num_batched_tokens=32768, max_model_len=65536, enable_chunked_prefill=True,
+              max_num_partial_prefills=2, long_prefill_token_threshold=4096),
+         "--long-prefill-token-threshold caps a prefill chunk at 4096 tokens"),
+    ]  # fmt: skip
+    for fields, named in cases:
+        log = Log()
+        reason = check_sparse_prefill_schedule(settings, SchedulerConfig(max_num_seqs=8, **fields), log)
+        assert log.lines == [("warning", f"SPARSE_PREFILL never runs: {reason}; until then every prefill uses FlashAttention")]
+        assert reason.startswith(named), reason
+    log = Log()
+    fits = SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=8, max_model_len=65536, enable_chunked_prefill=True)
+    assert check_sparse_prefill_schedule(settings, fits, log) is None and log.lines == []
+    assert check_sparse_prefill_schedule(None, SchedulerConfig(max_num_batched_tokens=None, max_num_seqs=8,
+                                                               max_model_len=4096), log) is None and log.lines == []
 
 
 def test_the_flags_help_is_the_runtimes():
