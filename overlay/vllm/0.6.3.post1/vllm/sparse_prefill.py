@@ -5,7 +5,8 @@ Placed by the prefill-accel overlay. The flags, names, defaults and help are the
 ``VLLM_ATTENTION_BACKEND``, so the backend is chosen with ``VLLM_ATTENTION_BACKEND=SPARSE_PREFILL`` and
 tuned with these flags. At engine creation the runtime's startup check validates and logs them
 (``prefill_accel.engine.startup``), and once the scheduler config is resolved it warns when its
-settings leave the backend inert; the settings reach the attention layers through the cache config.
+settings leave the backend inert; the settings reach the attention layers through the cache config, and
+the model loader names the layers once the model is built.
 """
 
 import argparse
@@ -86,3 +87,17 @@ def check_sparse_prefill_schedule(settings: Optional[SparsePrefillSettings],
     limits = [] if settings is None else schedule_limits(
         settings, scheduler_config)
     return check_schedule(settings, limits, FACTS, logger)
+
+
+def name_sparse_prefill_layers(model: object) -> int:
+    """Give every SPARSE_PREFILL layer of a built model that has no name its module path, which
+    carries its index (``model.layers.7.self_attn.attn``) for --sparse-prefill-dense-layers: V0's
+    model files mostly build Attention without a prefix. The runtime then decides the layer again.
+    Returns how many layers were named."""
+    named = 0
+    for name, module in model.named_modules():
+        impl = getattr(module, "impl", None)
+        if getattr(impl, "layer_name", None) == "":
+            impl.configure_sparse_prefill(impl.settings, name)
+            named += 1
+    return named

@@ -44,7 +44,8 @@ from vllm.attention.backends import sparse_prefill_attn  # noqa: E402
 from vllm.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadata  # noqa: E402
 from vllm.attention.selector import _Backend, backend_name_to_enum, get_attn_backend  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.sparse_prefill import FACTS, check_sparse_prefill_flags, check_sparse_prefill_schedule  # noqa: E402
+from vllm.sparse_prefill import (FACTS, check_sparse_prefill_flags, check_sparse_prefill_schedule,  # noqa: E402
+                                 name_sparse_prefill_layers)
 
 PAGE, HEADS, KV_HEADS, HEAD_DIM = 16, 4, 2, 64
 # (query tokens, cached prefix) per request: a long continuation chunk, a short prefill, two decodes.
@@ -170,6 +171,31 @@ def test_steps_without_a_long_prefill_and_dense_layers_run_upstreams_forward(ste
     make_impl().forward(query, key, value, kv_cache, short_tables)
     assert upstream == [1, 1, 1] and step == {"sparse": [], "varlen": [], "kvcache": []}
     assert make_impl(layer="model.layers.2.self_attn.attn", dense_layers=2).dense_reason is None
+
+
+def test_dense_layers_are_found_on_a_real_v0_model_class(monkeypatch):
+    """Qwen2's V0 model file builds Attention without a prefix: the layers have no index until the
+    loader names them from the built model, and then --sparse-prefill-dense-layers keeps the first dense."""
+    import vllm.attention.selector as selector
+    from transformers import Qwen2Config
+    from vllm.config import CacheConfig
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+
+    one_rank = types.SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True, is_last_rank=True)
+    monkeypatch.setattr(parallel_state, "_TP", one_rank)  # the parallel layers ask for their group's size
+    monkeypatch.setattr(parallel_state, "_PP", one_rank)
+    monkeypatch.setattr(selector, "which_attn_to_use", lambda *args, **kwargs: _Backend.SPARSE_PREFILL)
+    cache_config = CacheConfig(block_size=PAGE, gpu_memory_utilization=0.9, swap_space=0, cache_dtype="auto")
+    cache_config.sparse_prefill = settings_from_flags({"dense_layers": 1})
+    config = Qwen2Config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=3, vocab_size=512, max_position_embeddings=4096)
+    model = Qwen2ForCausalLM(config, cache_config=cache_config)
+    impls = [m.impl for m in model.modules() if isinstance(getattr(m, "impl", None), sparse_prefill_attn.SparsePrefillAttentionImpl)]
+    assert [impl.dense_reason for impl in impls] == ["no layer index in ''"] * 3
+    assert name_sparse_prefill_layers(model) == 3 and name_sparse_prefill_layers(model) == 0
+    assert [impl.layer_name for impl in impls] == [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    assert [impl.dense_reason for impl in impls] == ["layer 0 < --sparse-prefill-dense-layers=1", None, None]
 
 
 def test_selector_names_the_backend():

@@ -52,13 +52,16 @@ class SparsePrefillAttentionImpl(FlashAttentionImpl):
 
     settings: Optional[SparsePrefillSettings] = None
     dense_reason: Optional[str] = "not configured"
+    layer_name: Optional[str] = None
 
     def configure_sparse_prefill(self,
                                  settings: Optional[SparsePrefillSettings],
                                  layer_name: str) -> None:
-        """Called by the Attention layer with the engine's settings and the layer's name: the runtime
-        decides whether the layer may go sparse."""
+        """Called by the Attention layer with the engine's settings and the layer's name (empty where
+        the model file gives none; the model loader names it once the model is built,
+        vllm/sparse_prefill.py): the runtime decides whether the layer may go sparse."""
         self.settings = settings
+        self.layer_name = layer_name
         index = _LAYER_INDEX.search(f".{layer_name}.")
         traits = LayerTraits(
             head_size=self.head_size,
