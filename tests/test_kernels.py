@@ -576,3 +576,16 @@ def test_exact_estimate_splits_the_keys_where_tiles_are_few(q_len, k_len, kv_hea
     )
     tiles = -(-layout.total_q_blocks // (launch.EXACT_TILE_ROWS // 4))
     assert launch.exact_splits(layout, tiles * kv_heads, sms=132) == splits
+
+
+def test_the_cudnn_route_calls_torchs_op_as_each_torch_declares_it():
+    """torch 2.5 added attn_bias and compute_log_sumexp to the cuDNN attention op; torch 2.4 (vLLM
+    0.6.3's) has neither, and refused the call that passed them."""
+    from prefill_accel import dense_route
+
+    torch_24 = {"query", "key", "value", "dropout_p", "is_causal", "return_debug_mask", "scale"}
+    assert dense_route.cudnn_arguments(torch_24) == dict(dropout_p=0.0, is_causal=True, return_debug_mask=False)
+    schema = torch.ops.aten._scaled_dot_product_cudnn_attention.default._schema
+    given = {"query", "key", "value", "scale", *dense_route.cudnn_arguments({a.name for a in schema.arguments})}
+    required = {a.name for a in schema.arguments if not a.has_default_value()}
+    assert required <= given and given <= {a.name for a in schema.arguments}

@@ -9,6 +9,7 @@ heads, and whether it refused the inputs at all (then dense batches go to the Tr
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -16,12 +17,29 @@ import torch
 from .config import SparsePrefillConfig
 
 
+def cudnn_arguments(names) -> dict:
+    """The arguments of torch's cuDNN attention op after q, k and v, for a schema with argument
+    ``names``: torch 2.5 added attn_bias and compute_log_sumexp, which torch 2.4 (vLLM 0.6.3's) lacks."""
+    arguments = dict(dropout_p=0.0, is_causal=True, return_debug_mask=False)
+    if "attn_bias" in names:
+        arguments["attn_bias"] = None
+    if "compute_log_sumexp" in names:
+        arguments["compute_log_sumexp"] = True
+    return arguments
+
+
+@functools.cache
+def _installed_cudnn_arguments() -> dict:
+    schema = torch.ops.aten._scaled_dot_product_cudnn_attention.default._schema
+    return cudnn_arguments({argument.name for argument in schema.arguments})
+
+
 def cudnn_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """Causal attention of one fresh sequence, (L, H, D) tensors, by cuDNN: ((L, Hq, D) output,
     (Hq, L') float32 natural-log lse, L' >= L). Raises RuntimeError where cuDNN refuses the inputs."""
     to_bhld = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731
     o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        to_bhld(q), to_bhld(k), to_bhld(v), None, True, 0.0, True, False, scale=scale
+        to_bhld(q), to_bhld(k), to_bhld(v), **_installed_cudnn_arguments(), scale=scale
     )[:2]
     return o[0].transpose(0, 1), lse.view(q.shape[1], -1)
 

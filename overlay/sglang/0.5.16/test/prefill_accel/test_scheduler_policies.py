@@ -8,6 +8,7 @@ and the scheduler never holds a prefill back.
 """
 
 import argparse
+import logging
 from array import array
 from types import SimpleNamespace
 
@@ -23,7 +24,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-from sglang.srt.sparse_prefill import FACTS
+from sglang.srt.sparse_prefill import FACTS, check_sparse_prefill_schedule
 
 NOW = 1000.0
 
@@ -99,6 +100,26 @@ def test_bad_sparse_prefill_flags_are_refused_at_startup_naming_the_flag(flags, 
 def test_sparse_prefill_flags_without_the_backend_draw_a_warning(caplog):
     server_args("--sparse-prefill-min-len", "4096")
     assert "--sparse-prefill-min-len set but the prefill attention backend is not sparse_prefill" in caplog.text
+
+
+def test_a_chunk_size_below_the_minimum_length_is_said_at_startup(caplog):
+    """The resolved --chunked-prefill-size (8192 on an H200) below --sparse-prefill-min-len leaves the
+    backend inert: one warning naming it. Parsed args of a dummy model stop before the defaults are
+    resolved, so the check is called here as __post_init__ calls it last."""
+    logger = logging.getLogger("sglang-schedule-test")
+    args = server_args("--prefill-attention-backend", "sparse_prefill", "--attention-backend", "triton")
+    with caplog.at_level(logging.INFO, logger="sglang-schedule-test"):
+        for size, warned in ((8192, True), (16384, False), (-1, False)):
+            args.chunked_prefill_size = size
+            reason = check_sparse_prefill_schedule(args, logger)
+            assert (reason is not None) == warned, size
+        args.prefill_attention_backend = None
+        args.chunked_prefill_size = 8192
+        assert check_sparse_prefill_schedule(args, logger) is None
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and record.getMessage().startswith(
+        "sparse_prefill never runs: --chunked-prefill-size caps a prefill chunk at 8192 tokens, below "
+        "--sparse-prefill-min-len=16384; set --chunked-prefill-size 16384")
 
 
 def test_srpf_orders_the_queue_by_remaining_prefill(clock):

@@ -198,6 +198,18 @@ def test_dense_layers_are_found_on_a_real_v0_model_class(monkeypatch):
     assert [impl.dense_reason for impl in impls] == ["layer 0 < --sparse-prefill-dense-layers=1", None, None]
 
 
+def test_vision_towers_choose_as_if_no_backend_were_forced(monkeypatch):
+    """Qwen2-VL's and Molmo's vision towers read VLLM_ATTENTION_BACKEND for their own attention and
+    refused anything but FlashAttention, SDPA and xFormers: with SPARSE_PREFILL they take their own choice."""
+    from vllm.model_executor.models.utils import get_vit_attn_backend
+
+    monkeypatch.delenv("VLLM_ATTENTION_BACKEND", raising=False)
+    unforced = get_vit_attn_backend()
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "SPARSE_PREFILL")
+    assert get_vit_attn_backend() == unforced
+    assert unforced in (_Backend.FLASH_ATTN, _Backend.TORCH_SDPA, _Backend.XFORMERS)
+
+
 def test_selector_names_the_backend():
     assert backend_name_to_enum("SPARSE_PREFILL") == _Backend.SPARSE_PREFILL
     import vllm.attention.selector as selector

@@ -3,14 +3,15 @@
 Placed by the prefill-accel overlay. The flags, names, defaults, help and startup check are the
 runtime's (``prefill_accel.flags``, ``prefill_accel.engine.startup``), as on the vLLM series; ServerArgs
 declares them with default_value() and sparse_prefill_help() and calls
-check_sparse_prefill_flags() while it validates its arguments. The backend is chosen with
+check_sparse_prefill_flags() while it validates its arguments, then, once every default is resolved,
+check_sparse_prefill_schedule(). The backend is chosen with
 ``--prefill-attention-backend sparse_prefill``: it computes extend (prefill) batches only, and hands
 short extends, the dense layers and decodes to a dense backend.
 """
 
 from typing import Optional
 
-from prefill_accel.engine.startup import EngineFacts, check_flags
+from prefill_accel.engine.startup import ChunkLimit, EngineFacts, check_flags, check_schedule
 from prefill_accel.flags import (
     BACKEND_NAME,
     FIELD_PREFIX,
@@ -53,3 +54,14 @@ def check_sparse_prefill_flags(server_args, logger) -> Optional[SparsePrefillSet
                 "(e.g. fa3, flashinfer, triton) in --attention-backend or --decode-attention-backend"
             )
     return check_flags(flag_values(server_args), server_args.prefill_attention_backend == BACKEND, FACTS, logger)
+
+
+def check_sparse_prefill_schedule(server_args, logger) -> Optional[str]:
+    """The runtime's check that the resolved chunk size lets an extend reach the minimum length (SGLang
+    picks --chunked-prefill-size from the GPU's memory: 8192 on an H200); one warning naming it when
+    it does not. Without chunking (-1) a prompt is one extend."""
+    if server_args.prefill_attention_backend != BACKEND:
+        return None
+    size = server_args.chunked_prefill_size
+    limits = [ChunkLimit("--chunked-prefill-size", size)] if size is not None and size > 0 else []
+    return check_schedule(settings_from_server_args(server_args), limits, FACTS, logger)
