@@ -124,6 +124,9 @@ def test_kernels_that_cannot_import_keep_every_layer_dense_and_are_said_at_start
     import builtins
     import sys
 
+    from prefill_accel.ops import attention
+
+    assert attention.block_sparse_attention  # triton is imported whole before the hook, not half under it
     real_import = builtins.__import__
 
     def no_descriptors(name, *args, **kwargs):
@@ -151,6 +154,48 @@ def test_kernels_that_cannot_import_keep_every_layer_dense_and_are_said_at_start
     finally:
         monkeypatch.undo()
         startup.kernels_unavailable.cache_clear()
+
+
+def test_the_warm_up_runs_the_sparse_path_once_per_kind_of_context_and_only_once(monkeypatch, caplog):
+    from prefill_accel.engine import warmup
+    from prefill_accel.ops import launch, search
+
+    default = SparsePrefillConfig()
+    assert warmup.warmup_contexts(16384, default) == [16384, 16384 + launch.TMA_SPARSE_MIN_KEYS]
+    assert warmup.warmup_contexts(65536, default) == [65536]
+    assert warmup.warmup_contexts(8192, default) == []  # below the minimum length: never sparse
+    monkeypatch.setattr(launch, "TMA_SPARSE_MIN_KEYS", 256)  # a short second context for the interpreter
+    monkeypatch.setattr(warmup, "_done", set())
+    assert warmup.warm_up(num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, page_size=16,
+                          config=SparsePrefillConfig(), chunk_tokens=16384, device=torch.device("cpu")) is None
+    monkeypatch.setattr(warmup, "_compiles_on", lambda device: True)  # the interpreter stands in for a GPU
+    searched = []
+    real_select = search.select_blocks
+    monkeypatch.setattr(search, "select_blocks", lambda *args, **kwargs: searched.append(args[4].tolist()) or real_select(*args, **kwargs))
+    config = SparsePrefillConfig(block_size=64, min_q_len=128)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = dict(num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, page_size=16, config=config,
+                  chunk_tokens=128, device=device)  # fmt: skip
+    logger = logging.getLogger("warmup-test")
+    with caplog.at_level(logging.INFO, logger="warmup-test"):
+        warmup.warm_up_logged(logger, "4 / 2 heads, d=64", **shapes)
+        assert warmup.warm_up(**shapes) is None  # the same shapes again: nothing to compile
+    assert searched == [[128], [384]], "one sparse call (search, then attention) per context"
+    [record] = caplog.records
+    assert record.levelname == "INFO" and "chunks of 128 tokens at contexts 128, 384" in record.getMessage()
+    monkeypatch.setenv(warmup.ENV, "0")
+    assert warmup.warm_up(**{**shapes, "chunk_tokens": 192}) is None and searched == [[128], [384]]
+    monkeypatch.delenv(warmup.ENV)
+
+    def fails(**_):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(warmup, "warm_up", fails)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="warmup-test"):
+        warmup.warm_up_logged(logger, "4 / 2 heads, d=64", **shapes)
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and "RuntimeError: out of resources" in record.getMessage()
 
 
 def test_every_flag_has_one_help_text_in_the_engines_words():

@@ -8,7 +8,9 @@ request's query length reaches ``--sparse-prefill-min-len``, that request's rows
 ``prefill_accel.sparse_prefill_attention`` reading the paged KV cache through the block table,
 while the other requests of the step go through upstream's FlashAttention forward.
 
-Layers that the kernel cannot compute stay on FlashAttention for every step: sliding-window
+The metadata builder compiles and tunes the kernels for its layers' shapes at startup
+(``prefill_accel.engine.warmup``). Layers that the kernel cannot compute stay on FlashAttention for
+every step: sliding-window
 layers (e.g. Gemma 3's local layers), ALiBi, logit soft-capping, attention sinks, quantized KV
 caches, non-decoder attention, decode context parallelism, head sizes the kernel lacks, and the
 first ``--sparse-prefill-dense-layers`` layers.
@@ -23,9 +25,10 @@ import numpy as np
 import torch
 from prefill_accel import BatchLayout, sparse_prefill_attention
 from prefill_accel.engine.layers import LayerTraits, dense_reason
+from prefill_accel.engine.warmup import warm_up_logged
 
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.config.sparse_prefill import BACKEND_NAME, sparse_prefill_settings
+from vllm.config.sparse_prefill import BACKEND_NAME, schedule_limits, sparse_prefill_settings
 from vllm.logger import init_logger
 from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
@@ -78,6 +81,16 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
     ):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.kernel_config = sparse_prefill_settings(vllm_config.attention_config).kernel
+        # Built once the KV cache exists, before CUDA graphs are captured: compile and tune the kernels
+        # for this group's shapes now, not inside the first long prompt.
+        heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        if kv_cache_spec.dtype in (torch.float16, torch.bfloat16):
+            warm_up_logged(
+                logger, f"{heads} / {kv_cache_spec.num_kv_heads} heads, d={kv_cache_spec.head_size}",
+                num_heads=heads, num_kv_heads=kv_cache_spec.num_kv_heads, head_dim=kv_cache_spec.head_size,
+                dtype=kv_cache_spec.dtype, page_size=kv_cache_spec.block_size, config=self.kernel_config,
+                chunk_tokens=min(limit.tokens for limit in schedule_limits(vllm_config)), device=device,
+            )  # fmt: skip
 
     def build(
         self,
