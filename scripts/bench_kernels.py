@@ -476,13 +476,14 @@ def main() -> int:
     if not args.skip_check:
         lines = check_correctness((torch.bfloat16, torch.float16), (64, 128, 256), (1, 16, 64), log=lambda line: print(line, flush=True))
         report["correctness"] = lines
-    results = []
+    results = report["random"] = []
     for length in (int(x) for x in args.lengths.split(",") if x):
         t0 = time.time()
         row = bench_length(length, args, results)
         torch.cuda.empty_cache()  # the length's tensors were freed on return
         print(json.dumps(row), f"# {time.time() - t0:.0f}s", flush=True)
-    report["random"] = results
+        if args.out:  # each finished length is kept, should the run be stopped before the next
+            args.out.write_text(json.dumps(report, indent=1))
     report["real"] = [row for p in args.real for row in bench_real(Path(p), args.estimators, args.repeats, args.page_size)]
     for row in report["real"]:
         print(json.dumps(row), flush=True)

@@ -10,7 +10,7 @@
 # Settings (each optional):
 #   BENCH_RUNS     ';'-separated argument lists of scripts/bench_kernels.py, run N writing
 #                  /tmp/e2e/out/bench-N.json (default: 32 / 8 heads at d=128, then SmolLM2's 9 / 3 at d=64)
-#   BENCH_TIMEOUT  seconds each benchmark run may take (default 600); its rows so far stay in the log
+#   BENCH_TIMEOUT  seconds each benchmark run may take (default 600); the lengths it finished stay in its JSON
 #   STAGE_WAIT     seconds to wait for /tmp/stage/complete (default 900)
 #   ACCURACY_RUNS  ';'-separated argument lists of the accuracy harness, run on the staged GGUF models
 #                  before the engine phases (scripts/e2e/harness-runs.sh)
