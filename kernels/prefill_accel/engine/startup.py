@@ -98,12 +98,17 @@ class ChunkLimit:
     """What to set instead, in the engine's words; empty: the setting itself, at the minimum length."""
 
 
+def binding_limit(limits: list[ChunkLimit]) -> ChunkLimit | None:
+    """The limit that sets the longest prefill chunk a step can hold (the tightest); None without limits."""
+    return min(limits, key=lambda limit: limit.tokens, default=None)
+
+
 def inert_reason(settings: SparsePrefillSettings, limits: list[ChunkLimit]) -> str | None:
     """Why no prefill chunk can take the sparse path under ``limits``, naming the setting that binds
     and what to change; None when the longest chunk they allow reaches the minimum length."""
-    if not limits:
+    binding = binding_limit(limits)
+    if binding is None:
         return None
-    binding = min(limits, key=lambda limit: limit.tokens)
     minimum = settings.kernel.min_q_len
     if binding.tokens >= minimum:
         return None

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from prefill_accel import BatchLayout, sparse_prefill_attention
 from prefill_accel.engine.layers import LayerTraits, dense_reason
+from prefill_accel.engine.startup import binding_limit
 from prefill_accel.engine.warmup import warm_up_logged
 
 from vllm.config import VllmConfig, get_current_vllm_config
@@ -89,7 +90,7 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
                 logger, f"{heads} / {kv_cache_spec.num_kv_heads} heads, d={kv_cache_spec.head_size}",
                 num_heads=heads, num_kv_heads=kv_cache_spec.num_kv_heads, head_dim=kv_cache_spec.head_size,
                 dtype=kv_cache_spec.dtype, page_size=kv_cache_spec.block_size, config=self.kernel_config,
-                chunk_tokens=min(limit.tokens for limit in schedule_limits(vllm_config)), device=device,
+                chunk_tokens=binding_limit(schedule_limits(vllm_config)).tokens, device=device,
             )  # fmt: skip
 
     def build(
