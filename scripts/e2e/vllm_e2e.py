@@ -838,20 +838,20 @@ def chunk_phase(results: dict, gpus: str, args) -> None:
 def engine_density_stage(results: dict, gpus: str, model: str, key: str) -> None:
     """The density the search keeps inside the engine, and the search's and attention's time per chunk
     (PREFILL_ACCEL_STATS: one log line per chunk through every layer; each call synchronised, so these
-    are not the TTFT runs): a 32K prompt, then a 128K one."""
+    are not the TTFT runs): a 16K prompt (one chunk), a 32K one, then a 128K one."""
     layers = json.loads((MODELS / model / "config.json").read_text())["num_hidden_layers"]
     corpus = Corpus(tokenizer_for(model), 131072 + 64 * 1024)
     kwargs = engine_kwargs(model, max_model_len=long_len(model), chunk=16384, eager=True, **sparse())
     worker = Worker(f"{model}-stats", "patched", gpus, kwargs, extra_env={"PREFILL_ACCEL_STATS": str(layers)})
     try:
-        for length in (32768, prompt_len(model, 131072)):
+        for length in (16384, 32768, prompt_len(model, 131072)):
             worker.call(op="ttft", prompt=corpus.window(length, 4242 + length))
     finally:
         worker.close()
     lines = [line.split("sparse prefill: ", 1)[1] for line in worker.log.read_text().splitlines()
              if "sparse prefill: " in line]  # fmt: skip
     results[key] = {"model": model, "lines": lines,
-                    "note": f"per chunk of 16384 queries, {layers} layers each; 32K prompt, then 128K"}  # fmt: skip
+                    "note": f"per chunk of 16384 queries, {layers} layers each; 16K prompt, 32K, then 128K"}  # fmt: skip
     say(f"{model} engine density:\n" + "\n".join(lines))
 
 
