@@ -9,6 +9,12 @@ triton would specialise on (ints equal to 1, alignment) are not, so the compiled
 detail from the GPU's, not in what compiles or in the shared memory the tiles need.
 
   python scripts/compile_check.py              # sm_90 (H100, H200): 227 KB of shared memory per block
+  python scripts/compile_check.py --stable     # batches of other lengths compile nothing new (no compiling)
+
+``--stable`` records the launches of batches that an engine of one shape meets (fresh prompts and chunks
+after a prefix, lengths with and without a factor of 16, requests sliced out of a larger batch) and
+checks that launches with the same compile-time arguments are specialised alike by Triton, so a server
+that compiled one of them at warm-up compiles nothing inside a request.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import ctypes
+import itertools
 import multiprocessing
 import os
 import signal
@@ -29,7 +36,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
@@ -97,6 +105,63 @@ def variant(kernel: JITFunction, args: dict, options: dict) -> tuple:
     return kernel.__name__, fixed, types, tuple(sorted(options.items()))
 
 
+def specialisation(kernel: JITFunction, args: dict) -> tuple:
+    """How Triton specialises a launch's runtime arguments (type and value class: an int equal to 1, an
+    int or address divisible by 16), as it does at a launch; the parameters a kernel leaves
+    unspecialised give their type only."""
+    values = [(p, argument(p, args)) for p in kernel.params]
+    return tuple((p.name, native_specialize_impl(BaseBackend, value, False, not p.do_not_specialize, True))
+                 for p, value in values if not p.is_constexpr and value is not None)  # fmt: skip
+
+
+def run_engine_batches() -> None:
+    """The host functions on batches one engine shape meets (12 query and 2 KV heads of 128, pages of
+    16 and 64, blocks of 128): (query, key) lengths of fresh prompts and of chunks after a prefix,
+    with and without a factor of 16, a one-token chunk after a long prefix (its long dense row is
+    split), and requests sliced out of the engine's per-request tensors at an offset."""
+    batches = [[(4096, 4096)], [(4163, 4163)], [(2048, 5049)], [(1, 4353)], [(1500, 1500), (2600, 4000)]]
+    config = SparsePrefillConfig(min_q_len=0, last_query_blocks=1)
+    for page_size in (16, 64):
+        pages = -(-8192 // page_size)
+        k_cache = torch.zeros(3 * pages, page_size, 2, 128, dtype=torch.bfloat16)
+        for lengths in batches:
+            total_q = sum(q for q, _ in lengths)
+            q = torch.zeros(total_q, 12, 128, dtype=torch.bfloat16)
+            # The engine's block table and lengths: one row per request slot, this batch from slot 1 on.
+            table = torch.arange(3 * pages, dtype=torch.int32).view(3, pages)[1 : 1 + len(lengths)]
+            seq_lens = torch.tensor([0] + [k for _, k in lengths] + [0] * (2 - len(lengths)), dtype=torch.int32)
+            seqlens = seq_lens[1 : 1 + len(lengths)]
+            cu = torch.tensor([0] + list(itertools.accumulate(q_len for q_len, _ in lengths)), dtype=torch.int32)
+            for estimator in ("mixed", "exact"):
+                cfg = config.replace(estimator=estimator)
+                layout = BatchLayout.build(cu, seqlens, cfg, q.device)
+                index = search.select_blocks(q, k_cache, table, cu, seqlens, layout, cfg, 128**-0.5)
+            index.counts.fill_(1)  # nothing ran: give the host code an index it can read
+            index.indices.zero_()
+            staging.gather_kv(k_cache, k_cache, table, 0, lengths[0][1])
+            for reads in ("pointer", "tma"):
+                args = (q, k_cache, k_cache, table, cu, seqlens, layout)
+                attention.block_sparse_attention(*args, None, 0.1, False, None, kv_reads=reads)
+                attention.block_sparse_attention(*args, index, 0.1, False, None, kv_reads=reads)
+
+
+def check_stable(launches: list) -> int:
+    """Exit status of --stable: 1 when launches with the same compile-time arguments are specialised
+    differently (each such kernel and argument printed)."""
+    seen: dict[tuple, dict] = defaultdict(dict)
+    for kernel, named, options in launches:
+        key = variant(kernel, named, options)
+        seen[key[:2] + key[3:]][specialisation(kernel, named)] = named
+    unstable = 0
+    for key, specs in seen.items():
+        if len(specs) > 1:
+            unstable += 1
+            differing = sorted({name for spec in specs for name, value in spec if len({dict(s)[name] for s in specs}) > 1})
+            print(f"UNSTABLE {key[0]}: {len(specs)} specialisations, differing in {', '.join(differing)}")
+    print(f"{len(launches)} launches in {len(seen)} compile-time variants; {unstable} specialised by batch")
+    return 1 if unstable else 0
+
+
 def run_host_functions() -> None:
     """Every path of the kernels' host functions on small inputs, at head_dim 64, 128 and 256: each
     estimator; the dense route's page gather; dense and sparse attention (with mean correction and
@@ -143,8 +208,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--capability", type=int, default=90, choices=sorted(SHARED_LIMIT))
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="compiles run in parallel")
+    parser.add_argument("--stable", action="store_true", help="check that batch lengths change no specialisation")
     args = parser.parse_args()
     launches = record_launches()
+    if args.stable:
+        run_engine_batches()
+        return check_stable(launches)
     run_host_functions()
     jobs, groups, seen = JOBS, defaultdict(list), set()
     for kernel, named, options in launches:

@@ -73,3 +73,12 @@ def test_a_killed_check_leaves_no_worker_behind(tmp_path):
     while session_processes(proc.pid):
         assert time.monotonic() < deadline, f"workers outlived the check: {session_processes(proc.pid)}"
         time.sleep(0.1)
+
+
+def test_batches_of_other_lengths_compile_nothing_new():
+    """Launches alike at compile time are specialised alike, whatever the batch's lengths (see --stable)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--stable"], env=env, capture_output=True, text=True,
+                          timeout=RECORDING_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.rstrip().endswith("0 specialised by batch")

@@ -62,7 +62,7 @@ def test_the_startup_check_logs_the_effective_values_once_with_the_backend(caplo
         settings = check_flags({"threshold": 0.01, "min_len": 8192}, True, FACTS, logger)
     assert (settings.kernel.threshold, settings.kernel.min_q_len) == (0.01, 8192)
     [record] = caplog.records
-    assert record.levelname == "INFO" and "prefill chunks of >= 8192 tokens use block-sparse attention" in record.getMessage()
+    assert record.levelname == "INFO" and "prefill chunks of >= 8192 tokens, or as much attention work after a prefix, use block-sparse attention" in record.getMessage()
     assert "--sparse-prefill-threshold=0.01" in record.getMessage()
     assert record.getMessage().endswith("decodes and shorter chunks use FlashAttention")
 
@@ -84,19 +84,26 @@ def test_a_bad_value_fails_the_startup_check_naming_its_flag():
         check_flags({"block_size": 100}, True, FACTS, logging.getLogger("startup-test"))
 
 
-def test_a_schedule_that_cannot_reach_the_minimum_length_is_said_once_naming_the_setting(caplog):
+def test_a_schedule_that_cannot_reach_the_minimum_work_is_said_once_naming_the_setting(caplog):
     settings = settings_from_flags({"min_len": 16384})
     budget = ChunkLimit("--max-num-batched-tokens", 8192)
     model = ChunkLimit("--max-model-len", 131072, fix="a longer --max-model-len")
-    assert inert_reason(settings, [ChunkLimit("--max-num-batched-tokens", 16384), model]) is None
-    assert inert_reason(settings, []) is None
-    # The tightest limit binds and is the one named, with the fix in the engine's words.
+    assert inert_reason(settings, [ChunkLimit("--max-num-batched-tokens", 16384), model], 131072) is None
+    assert inert_reason(settings, [], 131072) is None
+    # Chunks of 4096 reach a fresh 16K prompt's work from a context of 34816 tokens: within 128K, not 32K.
     cap = ChunkLimit("--long-prefill-token-threshold", 4096)
-    assert inert_reason(settings, [budget, model, cap]) == (
-        "--long-prefill-token-threshold caps a prefill chunk at 4096 tokens, below --sparse-prefill-min-len=16384; "
-        "set --long-prefill-token-threshold 16384 (or lower --sparse-prefill-min-len) for long prompts to take the "
-        "sparse path")  # fmt: skip
-    assert "set a longer --max-model-len" in inert_reason(settings, [ChunkLimit("--max-model-len", 8192, "a longer --max-model-len")])
+    assert inert_reason(settings, [budget, model, cap], 131072) is None
+    assert inert_reason(settings, [budget, model, cap], None) is None  # the context unbounded
+    # The tightest limit binds and is the one named, with the fix in the engine's words.
+    assert inert_reason(settings, [budget, model, cap], 32768) == (
+        "--long-prefill-token-threshold caps a prefill chunk at 4096 tokens, which reaches the work of a fresh "
+        "--sparse-prefill-min-len=16384 prompt only at a context of 34816 tokens, beyond the 32768 the engine "
+        "holds; set --long-prefill-token-threshold 16384 (or lower --sparse-prefill-min-len) for long prompts to "
+        "take the sparse path")  # fmt: skip
+    short_model = ChunkLimit("--max-model-len", 8192, "a longer --max-model-len")
+    assert "set a longer --max-model-len" in inert_reason(settings, [short_model], 8192)
+    tiny = ChunkLimit("--max-num-batched-tokens", 64)  # below a block: never sparse, at any context
+    assert "caps a prefill chunk at 64 tokens, below --sparse-prefill-min-len=16384" in inert_reason(settings, [tiny])
     off = ChunkLimit("chunked prefill off", 0, fix="--enable-chunked-prefill --max-num-batched-tokens 16384")
     assert inert_reason(settings, [off]).startswith("chunked prefill off admits no prefill chunk to it")
     logger = logging.getLogger("startup-test")
@@ -104,11 +111,15 @@ def test_a_schedule_that_cannot_reach_the_minimum_length_is_said_once_naming_the
         assert check_schedule(None, [budget], FACTS, logger) is None  # without the backend: nothing to say
         assert check_schedule(settings, [ChunkLimit("--max-num-batched-tokens", 32768)], FACTS, logger) is None
         assert caplog.records == []
-        reason = check_schedule(settings, [budget, model], FACTS, logger)
-    [record] = caplog.records
-    assert record.levelname == "WARNING" and reason in record.getMessage()
-    assert record.getMessage().startswith("SPARSE_PREFILL never runs: --max-num-batched-tokens caps a prefill chunk at 8192")
-    assert record.getMessage().endswith("every prefill uses FlashAttention")
+        reason = check_schedule(settings, [budget, short_model], FACTS, logger, max_context=8192)
+        assert check_schedule(settings, [budget, model], FACTS, logger, max_context=131072) is None
+    warning, late = caplog.records
+    assert warning.levelname == "WARNING" and reason in warning.getMessage()
+    assert warning.getMessage().startswith("SPARSE_PREFILL never runs: --max-num-batched-tokens caps a prefill chunk at 8192")
+    assert warning.getMessage().endswith("every prefill uses FlashAttention")
+    assert late.levelname == "INFO" and late.getMessage() == (
+        "SPARSE_PREFILL: --max-num-batched-tokens caps a prefill chunk at 8192 tokens, below "
+        "--sparse-prefill-min-len=16384: a chunk takes the sparse path from a context of 20480 tokens")  # fmt: skip
 
 
 def test_the_package_declares_the_triton_the_kernels_need():
@@ -156,14 +167,23 @@ def test_kernels_that_cannot_import_keep_every_layer_dense_and_are_said_at_start
         startup.kernels_unavailable.cache_clear()
 
 
-def test_the_warm_up_runs_the_sparse_path_once_per_kind_of_context_and_only_once(monkeypatch, caplog):
+def test_the_warm_up_runs_each_path_a_server_meets_once(monkeypatch, caplog):
     from prefill_accel.engine import warmup
     from prefill_accel.ops import launch, search
 
     default = SparsePrefillConfig()
-    assert warmup.warmup_contexts(16384, default) == [16384, 16384 + launch.TMA_SPARSE_MIN_KEYS]
-    assert warmup.warmup_contexts(65536, default) == [65536]
-    assert warmup.warmup_contexts(8192, default) == []  # below the minimum length: never sparse
+    tma = launch.TMA_SPARSE_MIN_KEYS
+    # Sparse at the first chunk and with bulk K/V reads; dense: a token after a chunk, a fresh block.
+    assert warmup.warmup_cases(16384, default, 12, 131072) == [(16384, 16384), (16384, tma), (1, 16385), (128, 128)]
+    assert warmup.warmup_cases(65536, default, 12) == [(65536, 65536), (21632, 21632), (21632, tma), (1, 65537),
+                                                       (128, 128)]  # fmt: skip
+    # Chunks below the minimum length go sparse after a long enough prefix: 20480 keys for 8192 queries.
+    assert warmup.warmup_cases(8192, default, 12, 131072)[:2] == [(8192, 20480), (8192, tma)]
+    assert warmup.warmup_cases(8192, default, 12, 16384) == []  # never sparse within the model length
+    # 32 heads: a 16K chunk tunes in the second size class, chunks up to 63 blocks in the first.
+    cases = warmup.warmup_cases(16384, default, 32, 131072)
+    assert [launch.size_class(-(-q // 128) * 32) for q, _ in cases[:4]] == [1, 1, 0, 0]
+    assert (8064, 8065) in cases  # a chunk of the first class that stays dense after a prefix
     monkeypatch.setattr(launch, "TMA_SPARSE_MIN_KEYS", 256)  # a short second context for the interpreter
     monkeypatch.setattr(warmup, "_done", set())
     assert warmup.warm_up(num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, page_size=16,
@@ -180,11 +200,11 @@ def test_the_warm_up_runs_the_sparse_path_once_per_kind_of_context_and_only_once
     with caplog.at_level(logging.INFO, logger="warmup-test"):
         warmup.warm_up_logged(logger, "4 / 2 heads, d=64", **shapes)
         assert warmup.warm_up(**shapes) is None  # the same shapes again: nothing to compile
-    assert searched == [[128], [384]], "one sparse call (search, then attention) per context"
+    assert searched == [[128], [256]], "one sparse call (search, then attention) per sparse case"
     [record] = caplog.records
-    assert record.levelname == "INFO" and "chunks of 128 tokens at contexts 128, 384" in record.getMessage()
+    assert record.levelname == "INFO" and "at (query, key) lengths 128/128 128/256 1/129 64/64, in" in record.getMessage()
     monkeypatch.setenv(warmup.ENV, "0")
-    assert warmup.warm_up(**{**shapes, "chunk_tokens": 192}) is None and searched == [[128], [384]]
+    assert warmup.warm_up(**{**shapes, "chunk_tokens": 192}) is None and searched == [[128], [256]]
     monkeypatch.delenv(warmup.ENV)
 
     def fails(**_):
@@ -228,18 +248,37 @@ def test_a_layer_stays_dense_for_the_first_reason_that_applies():
     assert dense_reason(plain, None).startswith("no settings")
 
 
+def test_a_chunk_is_long_by_its_attention_work():
+    """Sparse from a fresh min_q_len prompt's work, q * k - q**2 / 2 query-key pairs: a fresh prompt from
+    min_q_len tokens, a chunk after a prefix from fewer; a chunk shorter than a block (a decode) never."""
+    config = SparsePrefillConfig()  # min_q_len 16384, blocks of 128
+    assert config.long_chunk(16384) and not config.long_chunk(16383)
+    assert not config.long_chunk(16383, 16384) and config.long_chunk(16383, 16385) and config.long_chunk(16320, 131008)  # the last chunk of a 128K prompt
+    assert not config.long_chunk(4096, 34815) and config.long_chunk(4096, 34816)
+    assert not config.long_chunk(127, 10**9) and config.long_chunk(128, 10**9)
+    for q_len in (128, 1000, 4096, 16320, 16384, 40000):
+        k_len = config.sparse_from(q_len)
+        assert config.long_chunk(q_len, k_len) and (k_len == q_len or not config.long_chunk(q_len, k_len - 1))
+    assert config.sparse_from(127) is None and config.sparse_from(0) is None
+    every = config.replace(min_q_len=0)  # everything sparse, as the kernel tests run it
+    assert every.long_chunk(1) and every.sparse_from(1) == 1
+
+
 def test_every_router_asks_the_config_which_chunks_are_long():
-    """The engines' batch split (runs) and the block layout route a step the same way: one predicate."""
+    """The engines' batch split (runs) and the block layout route a step the same way: one predicate of
+    each request's query and key lengths."""
     config = SparsePrefillConfig(block_size=64, min_q_len=128, last_query_blocks=0)
-    q_lens, k_lens = [127, 128, 300], [127, 400, 300]
-    cu = torch.tensor([0, 127, 255, 555], dtype=torch.int32)
-    runs = split_long_prefills(cu, 3, config)
-    assert [(run.req_start, run.req_end, run.sparse) for run in runs] == [(0, 1, False), (1, 3, True)]
-    assert [config.long_chunk(q) for q in q_lens] == [False, True, True]
+    q_lens, k_lens = [127, 128, 300, 100, 64], [127, 400, 300, 120, 200]
+    cu = torch.tensor([0, 127, 255, 555, 655, 719], dtype=torch.int32)
+    runs = split_long_prefills(cu, torch.tensor(k_lens + [0]), 5, config)  # padded past the requests
+    assert [(run.req_start, run.req_end, run.sparse) for run in runs] == [(0, 1, False), (1, 3, True), (3, 4, False),
+                                                                          (4, 5, True)]  # fmt: skip
+    assert [config.long_chunk(q, k) for q, k in zip(q_lens, k_lens)] == [False, True, True, False, True]
     layout = BatchLayout.build(cu, torch.tensor(k_lens, dtype=torch.int32), config, "cpu")
     dense = layout.qblock_dense.tolist()
     starts = layout.seq_qblock_start
     assert all(dense[starts[0]:starts[1]]) and not any(dense[starts[1]:starts[3]])
+    assert all(dense[starts[3]:starts[4]]) and not any(dense[starts[4]:starts[5]])
 
 
 def planner(options=PlannerOptions(), target_ms=None, clock=None, **limits):

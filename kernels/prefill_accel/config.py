@@ -39,7 +39,8 @@ class SparsePrefillConfig:
     last_query_blocks: int = 1
     """The last query blocks of each sequence are computed dense (they shape the first output token)."""
     min_q_len: int = 16384
-    """Sequences whose query length in this step is below this are computed dense."""
+    """Sequences whose attention work in this step is below a fresh prompt of this many tokens are
+    computed dense (see long_chunk: a chunk after a long prefix takes the sparse path from fewer queries)."""
     query_stride: int = 8
     """The pooled, bound and mixed estimates score every ``query_stride``-th query row of a block (1 scores all rows)."""
     estimator: str = "mixed"
@@ -92,11 +93,27 @@ class SparsePrefillConfig:
                 f"block of {self.block_size}; use a smaller stride"
             )
 
-    def long_chunk(self, q_len: int) -> bool:
-        """Whether a sequence with ``q_len`` queries in a step takes the sparse path (at least
-        ``min_q_len``); a shorter one is computed dense. Every router (the engines' batch splits, the
-        block layout, the dense route of the public function) asks this one question."""
-        return q_len >= self.min_q_len
+    def long_chunk(self, q_len: int, k_len: int | None = None) -> bool:
+        """Whether a sequence with ``q_len`` queries in a step, over ``k_len`` keys in all (its
+        context, these queries included; ``q_len`` when None, a fresh prompt), takes the sparse path.
+
+        It does when its causal attention work, ``q_len * k_len - q_len**2 / 2`` query-key pairs, is
+        at least a fresh ``min_q_len`` prompt's: a fresh prompt from ``min_q_len`` tokens, a chunk
+        after a long prefix from fewer (the last, shorter chunk of a long prompt). A chunk shorter
+        than a block (a decode step) stays dense unless ``min_q_len`` is shorter still. Every router
+        (the engines' batch splits, the block layout, the dense route of the public function) asks
+        this one question."""
+        k_len = q_len if k_len is None else k_len
+        if q_len < min(self.min_q_len, self.block_size):
+            return False
+        return 2 * q_len * k_len - q_len * q_len >= self.min_q_len * self.min_q_len
+
+    def sparse_from(self, q_len: int) -> int | None:
+        """The shortest context (keys, these queries included) at which a chunk of ``q_len``
+        queries takes the sparse path (long_chunk); None where none does."""
+        if q_len <= 0 or q_len < min(self.min_q_len, self.block_size):
+            return None
+        return max(q_len, -(-(self.min_q_len * self.min_q_len + q_len * q_len) // (2 * q_len)))
 
     @property
     def is_dense(self) -> bool:

@@ -58,7 +58,7 @@ class CudnnRoute:
         if not q.is_cuda or self.refused:
             return False
         fresh = all(qn == kn for qn, kn in zip(q_lens, k_lens))
-        return fresh and (config.is_dense or not any(config.long_chunk(qn) for qn in q_lens))
+        return fresh and (config.is_dense or not any(config.long_chunk(qn, kn) for qn, kn in zip(q_lens, k_lens)))
 
     def __call__(self, q, k_cache, v_cache, page_table, q_lens, scale: float, out):
         """(out, lse) of the batch, or None when cuDNN refuses (said once, with a warning)."""

@@ -128,7 +128,8 @@ class BatchLayout:
             # Whole runs at once, not a block at a time: a 128K prompt has a thousand query blocks.
             seq_ids += [seq] * n
             positions += range(first, first + n)
-            dense_tail = n if config.is_dense or not config.long_chunk(q_len) else min(config.last_query_blocks, n)
+            long = not config.is_dense and config.long_chunk(q_len, k_len)
+            dense_tail = min(config.last_query_blocks, n) if long else n
             dense += [0] * (n - dense_tail) + [1] * dense_tail
             starts.append(starts[-1] + n)
         long_rows = [i for i in range(len(dense)) if dense[i] and positions[i] >= LONG_ROW_BLOCKS]

@@ -2,7 +2,7 @@
 
 Engine-agnostic (torch only): an engine's attention backend gives the query offsets of its requests,
 gets maximal runs of consecutive requests that take the same path (the sparse kernel for requests
-whose query length in this step reaches the minimum, the engine's own attention for the others),
+whose attention work in this step reaches the minimum, the engine's own attention for the others),
 and calls each path on plain slices of its tensors, so every result lands in the rows it was
 computed for. A sparse run also carries its kernel layout, built once per step on the host.
 """
@@ -40,16 +40,18 @@ class RequestRun:
         return slice(self.req_start, self.req_end)
 
 
-def split_long_prefills(query_start_loc_cpu: torch.Tensor, num_reqs: int,
+def split_long_prefills(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, num_reqs: int,
                         config: SparsePrefillConfig) -> tuple[RequestRun, ...] | None:  # fmt: skip
     """Cut a batch into runs of requests for the dense path and for the sparse path.
 
     Args:
         query_start_loc_cpu: (num_reqs + 1,) int32 CPU tensor, the query offsets of the requests
             (vLLM's ``CommonAttentionMetadata.query_start_loc_cpu``; may be longer when padded).
+        seq_lens_cpu: (num_reqs,) CPU tensor, each request's context after this step (its keys);
+            may be longer when padded.
         num_reqs: the number of real requests.
-        config: the kernel's configuration; a request whose query length in this step is a long chunk
-            (``config.long_chunk``) goes sparse.
+        config: the kernel's configuration; a request whose chunk in this step is a long chunk
+            (``config.long_chunk`` of its query and key lengths) goes sparse.
 
     Returns:
         The runs in batch order, covering every request once, or None when no request is a long
@@ -57,7 +59,8 @@ def split_long_prefills(query_start_loc_cpu: torch.Tensor, num_reqs: int,
     """
     starts = query_start_loc_cpu[: num_reqs + 1].tolist()
     query_lens = [end - start for start, end in zip(starts, starts[1:])]
-    long = [config.long_chunk(q_len) for q_len in query_lens]
+    k_lens = seq_lens_cpu[:num_reqs].tolist()
+    long = [config.long_chunk(q_len, k_len) for q_len, k_len in zip(query_lens, k_lens)]
     if not any(long):
         return None
     runs: list[RequestRun] = []

@@ -1,8 +1,8 @@
 """The startup checks of the backend, the same on every engine: with the backend selected, validate
 the --sparse-prefill-* flags and log the effective values once, and say when the kernels cannot run in
 this process; without it, warn when the flags were changed, since they then do nothing. Once the
-engine's scheduler settings are known, warn when they cannot produce a prefill chunk of the minimum
-length, since the backend then never runs.
+engine's scheduler settings are known, warn when they cannot produce a prefill chunk with the minimum
+attention work at any context the engine holds, since the backend then never runs.
 
 An adapter gives the flag values (keyed by suffix), whether the backend is selected, an EngineFacts
 saying how the engine is configured and, for the schedule, the ChunkLimits its settings impose; it
@@ -55,7 +55,8 @@ def check_flags(values: dict[str, object], selected: bool, facts: EngineFacts, l
                            chosen or f"not {facts.backend}", facts.select_hint)  # fmt: skip
         return None
     settings = settings_from_flags(values)
-    logger.info("%s attention: %s of >= %d tokens use block-sparse attention (%s); %s use %s", facts.backend,
+    logger.info("%s attention: %s of >= %d tokens, or as much attention work after a prefix, use block-sparse "
+                "attention (%s); %s use %s", facts.backend,
                 facts.sparse_unit, settings.kernel.min_q_len, settings.describe(), facts.dense_rest, facts.dense)
     missing = kernels_unavailable()
     if missing is not None:
@@ -103,28 +104,55 @@ def binding_limit(limits: list[ChunkLimit]) -> ChunkLimit | None:
     return min(limits, key=lambda limit: limit.tokens, default=None)
 
 
-def inert_reason(settings: SparsePrefillSettings, limits: list[ChunkLimit]) -> str | None:
+def inert_reason(settings: SparsePrefillSettings, limits: list[ChunkLimit], max_context: int | None = None) -> str | None:
     """Why no prefill chunk can take the sparse path under ``limits``, naming the setting that binds
-    and what to change; None when the longest chunk they allow reaches the minimum length."""
+    and what to change; None when the longest chunk they allow reaches the sparse path's work
+    (SparsePrefillConfig.long_chunk) at some context up to ``max_context``, the longest sequence the
+    engine holds (None: any)."""
     binding = binding_limit(limits)
     if binding is None:
         return None
-    minimum = settings.kernel.min_q_len
-    if binding.tokens >= minimum:
+    reach = settings.kernel.sparse_from(binding.tokens)
+    if reach is not None and (max_context is None or reach <= max_context):
         return None
+    minimum = settings.kernel.min_q_len
     fix = binding.fix or f"{binding.setting} {minimum}"
-    held = "admits no prefill chunk to it" if binding.tokens == 0 else f"caps a prefill chunk at {binding.tokens} tokens"
-    return (f"{binding.setting} {held}, below {flag('min_len')}={minimum}; set {fix} (or lower "
-            f"{flag('min_len')}) for long prompts to take the sparse path")
+    if binding.tokens == 0:
+        held = "admits no prefill chunk to it"
+    elif reach is None:
+        held = f"caps a prefill chunk at {binding.tokens} tokens, below {flag('min_len')}={minimum}"
+    else:
+        held = (f"caps a prefill chunk at {binding.tokens} tokens, which reaches the work of a fresh "
+                f"{flag('min_len')}={minimum} prompt only at a context of {reach} tokens, beyond the {max_context} "
+                "the engine holds")  # fmt: skip
+    return f"{binding.setting} {held}; set {fix} (or lower {flag('min_len')}) for long prompts to take the sparse path"
+
+
+def late_start(settings: SparsePrefillSettings, limits: list[ChunkLimit]) -> str | None:
+    """Where the binding limit keeps chunks below the minimum length but a long enough context still
+    takes them sparse: from which context, said as the startup line says it; else None."""
+    binding = binding_limit(limits)
+    if binding is None or binding.tokens >= settings.kernel.min_q_len:
+        return None
+    reach = settings.kernel.sparse_from(binding.tokens)
+    if reach is None:
+        return None
+    return (f"{binding.setting} caps a prefill chunk at {binding.tokens} tokens, below {flag('min_len')}="
+            f"{settings.kernel.min_q_len}: a chunk takes the sparse path from a context of {reach} tokens")
 
 
 def check_schedule(settings: SparsePrefillSettings | None, limits: list[ChunkLimit], facts: EngineFacts,
-                   logger) -> str | None:  # fmt: skip
+                   logger, max_context: int | None = None) -> str | None:  # fmt: skip
     """With the backend selected (``settings`` not None), one WARNING when the scheduler settings make
-    it inert (see inert_reason): every prefill then uses the dense path. Returns the reason."""
+    it inert up to ``max_context`` (see inert_reason): every prefill then uses the dense path; one INFO
+    line when they only delay it to a longer context (late_start). Returns the inert reason."""
     if settings is None:
         return None
-    reason = inert_reason(settings, limits)
+    reason = inert_reason(settings, limits, max_context)
     if reason is not None:
         logger.warning("%s never runs: %s; until then every prefill uses %s", facts.backend, reason, facts.dense)
-    return reason
+        return reason
+    late = late_start(settings, limits)
+    if late is not None:
+        logger.info("%s: %s", facts.backend, late)
+    return None

@@ -1,12 +1,14 @@
 """Compile and tune the kernels for an engine's shapes before its first request.
 
 A Triton kernel compiles at its first launch with new compile-time arguments, and the attention
-kernel times its tile shapes once per size class: left to the first long prompt, a server pays
+kernel times its tile shapes once per autotuning key: left to the first long prompt, a server pays
 seconds of compilation inside that request. An engine's chunks come in few shapes (its head counts,
-head size, page size and chunk length are fixed at startup), so one sparse call per kind of context
-its chunks meet compiles what serving then launches: a first chunk (its context is the chunk) and,
-where the kernels read K/V with bulk tensor copies past TMA_SPARSE_MIN_KEYS keys, a chunk after a
-prefix that long. Scratch tensors, freed afterwards; the engine's own cache is not touched.
+head size, page size and chunk length are fixed at startup; the kernels leave batch lengths
+unspecialised, ops.common.jit_per_batch), so a few calls compile and tune what serving launches:
+the sparse path per autotuning class of the chunks a step holds, at the shortest context it takes
+them and where it reads K/V with bulk tensor copies (past TMA_SPARSE_MIN_KEYS keys); the dense path
+of a short chunk after a prefix (its long row split over programs); a fresh short prompt (cuDNN, over
+K/V gathered out of the pages). Scratch tensors, freed afterwards; the engine's own cache is not touched.
 """
 
 from __future__ import annotations
@@ -32,44 +34,68 @@ def _compiles_on(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def warmup_contexts(chunk_tokens: int, config: SparsePrefillConfig) -> list[int]:
-    """The key lengths to warm up a chunk of ``chunk_tokens`` queries at: the chunk alone, then after
-    a prefix that takes the sparse launch to bulk K/V reads (launch.TMA_SPARSE_MIN_KEYS); none when
-    the chunk is below the minimum length (the sparse path never runs)."""
-    from ..ops.launch import TMA_SPARSE_MIN_KEYS
+def warmup_cases(chunk_tokens: int, config: SparsePrefillConfig, num_heads: int,
+                 max_context: int | None = None) -> list[tuple[int, int]]:  # fmt: skip
+    """The (query, key) lengths of one sequence to warm up chunks of up to ``chunk_tokens`` queries at,
+    within ``max_context`` keys (None: any); none when such chunks never take the sparse path there.
 
-    if chunk_tokens <= 0 or not config.long_chunk(chunk_tokens):
+    Sparse, for each autotuning class (launch.size_class) of the chunks up to ``chunk_tokens``: the
+    longest chunk of the class at the shortest context that takes it sparse and, where that is
+    shorter, at launch.TMA_SPARSE_MIN_KEYS keys (bulk K/V reads). Then the dense path: a
+    one-token chunk after a ``chunk_tokens`` prefix, a chunk of each class that stays dense after a
+    one-token prefix, and a fresh prompt of one block."""
+    from ..ops.launch import SIZE_CLASS_BOUNDS, TMA_SPARSE_MIN_KEYS, size_class
+
+    def fits(k_len: int) -> bool:
+        return max_context is None or k_len <= max_context
+
+    block = config.block_size
+    sizes = {}  # the longest chunk of each size class, up to chunk_tokens
+    for q_len in [chunk_tokens] + [(bound // num_heads - 1) * block for bound in SIZE_CLASS_BOUNDS]:
+        if block <= q_len <= chunk_tokens:
+            sizes.setdefault(size_class(-(-q_len // block) * num_heads), q_len)
+    sparse = []
+    for q_len in sizes.values():
+        start = config.sparse_from(q_len)
+        if start is None or not fits(start):
+            continue
+        sparse.append((q_len, start))
+        if start < TMA_SPARSE_MIN_KEYS and fits(TMA_SPARSE_MIN_KEYS):
+            sparse.append((q_len, TMA_SPARSE_MIN_KEYS))
+    if not sparse:
         return []
-    contexts = [chunk_tokens]
-    if chunk_tokens < TMA_SPARSE_MIN_KEYS:
-        contexts.append(chunk_tokens + TMA_SPARSE_MIN_KEYS)
-    return contexts
+    dense = [(1, chunk_tokens + 1)] if fits(chunk_tokens + 1) else []
+    dense += [(q_len, q_len + 1) for q_len in sizes.values() if not config.long_chunk(q_len, q_len + 1) and fits(q_len + 1)]
+    if not config.long_chunk(block):
+        dense.append((block, block))
+    return sparse + list(dict.fromkeys(dense))
 
 
 def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int,
-            config: SparsePrefillConfig, chunk_tokens: int, device: torch.device) -> list[int] | None:  # fmt: skip
-    """Run the sparse path once for each of warmup_contexts() with these shapes, as an engine calls it
-    (a prebuilt layout, a preallocated output). Returns the contexts run, or None where nothing ran:
+            config: SparsePrefillConfig, chunk_tokens: int, device: torch.device,
+            max_context: int | None = None) -> list[tuple[int, int]] | None:  # fmt: skip
+    """Run the public function once for each of warmup_cases() with these shapes, as an engine calls it
+    (a prebuilt layout, a preallocated output). Returns the cases run, or None where nothing ran:
     PREFILL_ACCEL_WARMUP=0, a device where nothing compiles, kernels that cannot run here (the
     startup line said why), or these shapes done already in this process."""
     if os.environ.get(ENV, "1").strip() == "0" or not _compiles_on(device) or kernels_unavailable() is not None:
         return None
-    key = (num_heads, num_kv_heads, head_dim, dtype, page_size, config, chunk_tokens, str(device))
+    key = (num_heads, num_kv_heads, head_dim, dtype, page_size, config, chunk_tokens, max_context, str(device))
     if key in _done:
         return None
     _done.add(key)
     from ..api import sparse_prefill_attention
 
-    contexts = warmup_contexts(chunk_tokens, config)
+    cases = warmup_cases(chunk_tokens, config, num_heads, max_context)
     generator = torch.Generator(device=device).manual_seed(0)
-    for context in contexts:
-        pages = -(-context // page_size)
+    for q_len, k_len in cases:
+        pages = -(-k_len // page_size)
         k_cache, v_cache = (torch.randn(pages, page_size, num_kv_heads, head_dim, generator=generator, device=device,
                                         dtype=torch.float32).to(dtype) for _ in range(2))  # fmt: skip
-        q = torch.randn(chunk_tokens, num_heads, head_dim, generator=generator, device=device, dtype=torch.float32)
+        q = torch.randn(q_len, num_heads, head_dim, generator=generator, device=device, dtype=torch.float32)
         q = q.to(dtype)
         page_table = torch.arange(pages, dtype=torch.int32, device=device).view(1, -1)
-        cu_q, k_lens = torch.tensor([0, chunk_tokens], dtype=torch.int32), torch.tensor([context], dtype=torch.int32)
+        cu_q, k_lens = torch.tensor([0, q_len], dtype=torch.int32), torch.tensor([k_len], dtype=torch.int32)
         layout = BatchLayout.build(cu_q, k_lens, config, device)
         sparse_prefill_attention(q, k_cache, v_cache, page_table, cu_q.to(device), k_lens.to(device), config=config,
                                  out=torch.empty_like(q), layout=layout)  # fmt: skip
@@ -77,7 +103,7 @@ def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-    return contexts
+    return cases
 
 
 def warm_up_logged(logger, describe: str, **shapes) -> None:
@@ -85,12 +111,12 @@ def warm_up_logged(logger, describe: str, **shapes) -> None:
     one WARNING when it failed (the kernels then compile at the first long prompt, as without it)."""
     start = time.perf_counter()
     try:
-        contexts = warm_up(**shapes)
+        cases = warm_up(**shapes)
     except Exception as error:  # noqa: BLE001 - startup must go on; the first long prompt compiles instead
         logger.warning("prefill-accel: compiling the kernels ahead failed (%s: %s); they compile at the first "
                        "long prompt instead", type(error).__name__, error)  # fmt: skip
         return
-    if contexts:
-        logger.info("prefill-accel: compiled and tuned the sparse kernels for %s, chunks of %d tokens at contexts "
-                    "%s, in %.1f s (%s=0 skips this)", describe, shapes["chunk_tokens"],
-                    ", ".join(map(str, contexts)), time.perf_counter() - start, ENV)  # fmt: skip
+    if cases:
+        logger.info("prefill-accel: compiled and tuned the kernels for %s, chunks of up to %d tokens, at (query, "
+                    "key) lengths %s, in %.1f s (%s=0 skips this)", describe, shapes["chunk_tokens"],
+                    " ".join(f"{q}/{k}" for q, k in cases), time.perf_counter() - start, ENV)  # fmt: skip

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..layout import BatchLayout, BlockIndex
 from . import launch, staging
-from .common import INTERPRET, LOG2E, dot, kv_tile
+from .common import INTERPRET, LOG2E, dot, jit_per_batch, kv_tile
 from .search import pool_blocks
 
 
@@ -106,7 +106,8 @@ def _attend_diagonal(
     key=["HEAD_DIM", "BLOCK", "PAGE_SIZE", "DENSE", "GROUP", "TMA", "size_class"],
     prune_configs_by={"early_config_prune": launch.prune_attention_configs},
 )
-@triton.jit
+@jit_per_batch("page_table", "cu_seqlens_q", "seqlens_k", "stride_pt", "stride_lh", "stride_ir", "stride_ih",
+               "total_q_blocks", "kv_head_base")  # fmt: skip
 def _attention_kernel(
     q,
     k_cache,
@@ -223,7 +224,8 @@ def _attention_kernel(
         tl.store(lse + head * stride_lh + q_rows, (row_max + tl.log2(row_sum)) / 1.4426950408889634, mask=q_valid)
 
 
-@triton.jit
+@jit_per_batch("page_table", "cu_seqlens_q", "seqlens_k", "stride_pt", "stride_ir", "stride_ih", "num_long_rows",
+               "blocks_per_split")  # fmt: skip
 def _split_attention_kernel(
     q,
     k_cache,
@@ -305,7 +307,7 @@ def _split_attention_kernel(
     tl.store(part_acc + rows[:, None] * HEAD_DIM + dims[None, :], acc)
 
 
-@triton.jit
+@jit_per_batch("cu_seqlens_q", "seqlens_k", "stride_lh", "num_long_rows", "num_splits")
 def _merge_splits_kernel(
     part_acc,
     part_max,

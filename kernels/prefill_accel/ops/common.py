@@ -16,6 +16,17 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DOT_IN_FP32 = tl.constexpr(INTERPRET)
 
 
+def jit_per_batch(*names: str):
+    """triton.jit for a kernel whose arguments ``names`` change from one batch to the next without
+    changing what it computes: lengths and counts, the strides of per-batch tensors, and length or
+    page-table tensors an engine passes as slices of its own (their alignment follows the first request's
+    index). Triton compiles a kernel again for each new class of an argument's value (an int equal to
+    1, an int or address divisible by 16), which a server would meet inside a request; unspecialised,
+    these compile once per engine shape, at warm-up (engine.warmup). Data tensors and the strides that
+    address them stay specialised: their alignment lets loads and stores be vectorised."""
+    return triton.jit(do_not_specialize=list(names))
+
+
 @triton.jit
 def dot(a, b):
     if DOT_IN_FP32:

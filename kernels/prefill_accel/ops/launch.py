@@ -84,10 +84,14 @@ def prune_attention_configs(configs, named_args, **kwargs):
     return kept or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=1, pre_hook=set_descriptor_blocks)]
 
 
+SIZE_CLASS_BOUNDS = (2048, 8192)
+"""Query blocks x heads of an attention launch where its autotuning class changes (see size_class)."""
+
+
 def size_class(programs: int) -> int:
-    """Autotuning bucket of a launch by its query tiles x heads (at BLOCK 128): the best tile shape
-    for a few hundred programs is not the best for many waves of them, so each class tunes once."""
-    return 0 if programs < 2048 else 1 if programs < 8192 else 2
+    """Autotuning bucket of a launch by its query blocks x heads (SIZE_CLASS_BOUNDS): the best tile
+    shape for a few hundred programs is not the best for many waves of them, so each class tunes once."""
+    return sum(programs >= bound for bound in SIZE_CLASS_BOUNDS)
 
 
 def kv_read_mode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sparse_context: int = 0) -> str:

@@ -10,11 +10,11 @@ import triton.language as tl
 
 from ..config import SparsePrefillConfig
 from ..layout import BatchLayout, BlockIndex
-from .common import INTERPRET, LOG2E, dot, kv_slots
+from .common import INTERPRET, LOG2E, dot, jit_per_batch, kv_slots
 from .launch import EXACT_TILE_ROWS, exact_splits, search_launch
 
 
-@triton.jit
+@jit_per_batch("page_table", "seqlens_k", "stride_pt")
 def _pool_blocks_kernel(
     cache,
     page_table,
@@ -182,7 +182,7 @@ def _pooled_scores(q, means, maxima, minima, scores, row_stats, qb, h, seq, pos,
         tl.debug_barrier()
 
 
-@triton.jit
+@jit_per_batch("cu_seqlens_q", "seqlens_k", "stride_sr", "stride_sh")
 def _select_kernel(
     q,
     means,
@@ -344,7 +344,7 @@ def select_blocks(
     _select_kernel[(total_qb, num_kv)](
         q, means, maxima, minima, cu_seqlens_q, seqlens_k, layout.qblock_seq, layout.qblock_pos, layout.qblock_dense,
         row_stats, scores, counts, indices,
-        q.stride(0), q.stride(1), pooled.stride(0), pooled.stride(1), pooled.stride(2),
+        q.stride(0), q.stride(1), *((0, 0, 0) if exact else pooled.stride()[:3]),  # exact reads no pooled keys
         scores.stride(0), scores.stride(1),
         scale * LOG2E, config.threshold, config.target_mass, config.sink_blocks, config.local_blocks,
         GROUP=group, HEAD_DIM=head_dim, BLOCK=config.block_size, STRIDE=config.query_stride,
@@ -396,7 +396,8 @@ def _exact_logits(q_rows, k_cache, table, key_pos, row_pos, mine, key_end, h, st
     return tl.where(allowed, logits, float("-inf"))
 
 
-@triton.jit
+@jit_per_batch("page_table", "cu_seqlens_q", "seqlens_k", "stride_pt", "stride_sr", "stride_sh", "total_q_blocks",
+               "split_blocks")  # fmt: skip
 def _exact_kernel(
     q,
     k_cache,

@@ -10,10 +10,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..layout import BatchLayout
-from .common import kv_slots
+from .common import jit_per_batch, kv_slots
 
 
-@triton.jit
+@jit_per_batch("page_table", "seqlens_k", "stride_pt", "kv_head_base")
 def _stage_kernel(
     k_cache, v_cache, page_table, seqlens_k, stage_seq, stage_block, k_staged, v_staged,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt, stride_sp, stride_sr, stride_sh,
@@ -58,10 +58,10 @@ def stage_kv(k_cache, v_cache, page_table, seqlens_k, layout: BatchLayout, kv_he
     return k_staged, v_staged
 
 
-@triton.jit
+@jit_per_batch("page_table_row", "length")
 def _gather_kernel(
     k_cache, v_cache, page_table_row, k_out, v_out, length, stride_kp, stride_ks, stride_kh,
-    stride_vp, stride_vs, stride_vh, stride_oh, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+    stride_vp, stride_vs, stride_vh, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """Copy positions [ROWS * program_id(0), + ROWS) of one sequence's keys and values of KV head
     ``program_id(1)`` out of the pages into row-major (heads, length, HEAD_DIM) tensors. Loads its own
@@ -72,7 +72,8 @@ def _gather_kernel(
     valid = pos < length
     page, slot = kv_slots(page_table_row, pos, PAGE_SIZE, valid)
     dims = tl.arange(0, HEAD_DIM)
-    gathered = (head.to(tl.int64) * stride_oh + pos.to(tl.int64) * HEAD_DIM)[:, None] + dims[None, :]
+    # Rows of (heads, length, HEAD_DIM) storage: a multiple of HEAD_DIM apart, whatever the length.
+    gathered = ((head.to(tl.int64) * length + pos) * HEAD_DIM)[:, None] + dims[None, :]
     keys = tl.load(k_cache + (page * stride_kp + slot * stride_ks + head * stride_kh)[:, None] + dims[None, :], mask=valid[:, None])
     tl.store(k_out + gathered, keys, mask=valid[:, None])
     values = tl.load(v_cache + (page * stride_vp + slot * stride_vs + head * stride_vh)[:, None] + dims[None, :], mask=valid[:, None])
@@ -90,7 +91,7 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Te
     if length:
         _gather_kernel[(triton.cdiv(length, rows), num_kv)](
             k_cache, v_cache, page_table[seq], k_out, v_out, length, k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_out.stride(0),
+            k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, ROWS=rows,
         )  # fmt: skip
     return k_out.transpose(0, 1), v_out.transpose(0, 1)

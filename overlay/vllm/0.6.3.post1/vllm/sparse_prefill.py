@@ -82,11 +82,12 @@ def check_sparse_prefill_schedule(settings: Optional[SparsePrefillSettings],
                                   scheduler_config: object,
                                   logger) -> Optional[str]:
     """The runtime's check that the resolved scheduler settings let a prefill
-    chunk reach the minimum length; one warning naming the setting when they
-    do not."""
+    chunk reach the minimum attention work within the model length; one
+    warning naming the setting when they do not."""
     limits = [] if settings is None else schedule_limits(
         settings, scheduler_config)
-    return check_schedule(settings, limits, FACTS, logger)
+    return check_schedule(settings, limits, FACTS, logger,
+                          max_context=scheduler_config.max_model_len)
 
 
 def name_sparse_prefill_layers(model: object) -> int:

@@ -103,23 +103,29 @@ def test_sparse_prefill_flags_without_the_backend_draw_a_warning(caplog):
 
 
 def test_a_chunk_size_below_the_minimum_length_is_said_at_startup(caplog):
-    """The resolved --chunked-prefill-size (8192 on an H200) below --sparse-prefill-min-len leaves the
-    backend inert: one warning naming it. Parsed args of a dummy model stop before the defaults are
-    resolved, so the check is called here as __post_init__ calls it last."""
+    """The resolved --chunked-prefill-size (8192 on an H200) below --sparse-prefill-min-len delays the
+    backend to contexts where a chunk has a fresh 16K prompt's work (20480 tokens): one INFO line;
+    within a context length shorter than that it is inert: one warning naming it. Parsed args of a
+    dummy model stop before the defaults are resolved, so the check is called here as __post_init__
+    calls it last."""
     logger = logging.getLogger("sglang-schedule-test")
     args = server_args("--prefill-attention-backend", "sparse_prefill", "--attention-backend", "triton")
     with caplog.at_level(logging.INFO, logger="sglang-schedule-test"):
-        for size, warned in ((8192, True), (16384, False), (-1, False)):
-            args.chunked_prefill_size = size
+        for size, context, warned in ((8192, None, False), (8192, 16384, True), (16384, 16384, False), (-1, None, False)):
+            args.chunked_prefill_size, args.context_length = size, context
             reason = check_sparse_prefill_schedule(args, logger)
-            assert (reason is not None) == warned, size
+            assert (reason is not None) == warned, (size, context)
         args.prefill_attention_backend = None
         args.chunked_prefill_size = 8192
         assert check_sparse_prefill_schedule(args, logger) is None
-    [record] = caplog.records
-    assert record.levelname == "WARNING" and record.getMessage().startswith(
-        "sparse_prefill never runs: --chunked-prefill-size caps a prefill chunk at 8192 tokens, below "
-        "--sparse-prefill-min-len=16384; set --chunked-prefill-size 16384")
+    late, warning = caplog.records
+    assert late.levelname == "INFO" and late.getMessage() == (
+        "sparse_prefill: --chunked-prefill-size caps a prefill chunk at 8192 tokens, below --sparse-prefill-min-len="
+        "16384: a chunk takes the sparse path from a context of 20480 tokens")  # fmt: skip
+    assert warning.levelname == "WARNING" and warning.getMessage().startswith(
+        "sparse_prefill never runs: --chunked-prefill-size caps a prefill chunk at 8192 tokens, which reaches the "
+        "work of a fresh --sparse-prefill-min-len=16384 prompt only at a context of 20480 tokens, beyond the 16384 "
+        "the engine holds; set --chunked-prefill-size 16384")  # fmt: skip
 
 
 def test_srpf_orders_the_queue_by_remaining_prefill(clock):

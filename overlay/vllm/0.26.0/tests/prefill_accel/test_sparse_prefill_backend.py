@@ -57,7 +57,8 @@ def cu(lengths):
 
 def test_split_cuts_the_batch_into_runs_in_order():
     q_lens = [q for q, _ in MIXED_BATCH]
-    runs = split_long_prefills(cu(q_lens), len(q_lens), SPLIT)
+    seq_lens = torch.tensor([q + p for q, p in MIXED_BATCH], dtype=torch.int32)
+    runs = split_long_prefills(cu(q_lens), seq_lens, len(q_lens), SPLIT)
     assert runs == (
         RequestRun(sparse=False, req_start=0, req_end=3, token_start=0, token_end=22, max_query_len=20),
         RequestRun(sparse=True, req_start=3, req_end=5, token_start=22, token_end=222, max_query_len=130),
@@ -66,9 +67,9 @@ def test_split_cuts_the_batch_into_runs_in_order():
 
 
 def test_split_leaves_short_batches_to_upstream_and_ignores_padding():
-    assert split_long_prefills(cu([1, 1, 63]), 3, SPLIT) is None
+    assert split_long_prefills(cu([1, 1, 63]), torch.tensor([500, 500, 63]), 3, SPLIT) is None
     padded = torch.cat([cu([64, 1]), torch.tensor([65, 65], dtype=torch.int32)])
-    assert split_long_prefills(padded, 2, SPLIT) == (
+    assert split_long_prefills(padded, torch.tensor([64, 70, 0, 0]), 2, SPLIT) == (
         RequestRun(sparse=True, req_start=0, req_end=1, token_start=0, token_end=64, max_query_len=64),
         RequestRun(sparse=False, req_start=1, req_end=2, token_start=64, token_end=65, max_query_len=1),
     )
@@ -116,7 +117,7 @@ def metadata_for(batch, block_table, seq_lens, min_len=MIN_LEN, layouts_for=None
     sparse runs carry their host-built layouts, as in the engine."""
     q_lens = [q for q, _ in batch]
     query_start_loc = cu(q_lens)
-    runs = split_long_prefills(query_start_loc, len(batch), SPLIT.replace(min_q_len=min_len))
+    runs = split_long_prefills(query_start_loc, seq_lens, len(batch), SPLIT.replace(min_q_len=min_len))
     if layouts_for is not None:
         runs = with_layouts(runs, query_start_loc, seq_lens, layouts_for, torch.device("cpu"))
     return sparse_prefill_attn.SparsePrefillMetadata(
@@ -292,13 +293,14 @@ def test_builder_hands_back_upstreams_metadata_for_steps_without_a_long_prefill(
     monkeypatch.setattr(sparse_prefill_attn.FlashAttentionMetadataBuilder, "build", lambda self, *args, **kwargs: upstream)
     builder = sparse_prefill_attn.SparsePrefillMetadataBuilder.__new__(sparse_prefill_attn.SparsePrefillMetadataBuilder)
     builder.kernel_config = SPLIT
-    step = types.SimpleNamespace(max_query_len=MIN_LEN - 1)
-    assert builder.build(0, step) is upstream
+    assert builder.build(0, types.SimpleNamespace(max_query_len=MIN_LEN - 1, max_seq_len=MIN_LEN - 1)) is upstream
+    # Decodes at a long context: a block of queries short of the work, whatever the keys.
+    assert builder.build(0, types.SimpleNamespace(max_query_len=1, max_seq_len=10**6)) is upstream
 
 
 def test_builder_turns_cascade_attention_off_for_steps_with_a_long_prefill():
     builder = sparse_prefill_attn.SparsePrefillMetadataBuilder.__new__(sparse_prefill_attn.SparsePrefillMetadataBuilder)
-    builder.kernel_config = SPLIT
+    builder.kernel_config, builder.max_model_len = SPLIT, 4096
     kwargs = dict(num_query_heads=32, num_kv_heads=8, use_alibi=False, use_sliding_window=False,
                   use_local_attention=False, num_sms=132, dcp_world_size=1)
     assert not builder.use_cascade_attention(common_prefix_len=4096, query_lens=np.array([1] * 40 + [MIN_LEN]), **kwargs)
@@ -364,9 +366,10 @@ FLAG_CASES = {
     "given": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-threshold", "0.01", "--sparse-prefill-min-len",
               "4096", "--sparse-prefill-dense-layers", "2", "--sparse-prefill-mean-correction",
               "--sparse-prefill-estimator", "exact", "--sparse-prefill-exact-rows", "2", "--max-num-batched-tokens", "4096"],
-    # Schedules no prefill chunk of the minimum length fits (the tiny model's length is 4096).
+    # Schedules whose chunks reach the minimum work at no context the tiny model holds (4096 tokens): chunks
+    # of 512 would reach a fresh 2048-token prompt's work at 4352.
     "inert_budget": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-min-len", "2048",
-                     "--max-num-batched-tokens", "1024"],
+                     "--max-num-batched-tokens", "512"],
     "inert_long_chunks": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-min-len", "2048",
                           "--max-num-batched-tokens", "4096", "--max-num-partial-prefills", "2"],
     "inert_model_len": ["--attention-backend", "SPARSE_PREFILL", "--max-num-batched-tokens", "16384"],
@@ -448,7 +451,7 @@ def test_invalid_flags_fail_at_startup_naming_the_flag(flag_results, case, named
 @pytest.mark.parametrize(
     "case, named",
     [
-        ("inert_budget", "--max-num-batched-tokens caps a prefill chunk at 1024 tokens"),
+        ("inert_budget", "--max-num-batched-tokens caps a prefill chunk at 512 tokens"),
         # vLLM's default cap of long prefills with partial prefills on: 4% of the model length.
         ("inert_long_chunks", "--long-prefill-token-threshold caps a prefill chunk at 163 tokens"),
         ("inert_model_len", "--max-model-len caps a prefill chunk at 4096 tokens"),
@@ -458,7 +461,9 @@ def test_a_schedule_that_leaves_the_backend_inert_is_said_at_startup(flag_result
     result = flag_results[case]
     assert "error" not in result, result.get("error")
     [warning] = [message for level, message in result["log"] if level == "WARNING"]
-    assert warning.startswith(f"SPARSE_PREFILL never runs: {named}, below --sparse-prefill-min-len="), warning
+    assert warning.startswith(f"SPARSE_PREFILL never runs: {named}, which reaches the work of a fresh "
+                              "--sparse-prefill-min-len="), warning  # fmt: skip
+    assert "beyond the 4096 the engine holds" in warning
     assert warning.endswith("every prefill uses FlashAttention")
     assert not [message for level, message in flag_results["given"]["log"] if level == "WARNING"]
 

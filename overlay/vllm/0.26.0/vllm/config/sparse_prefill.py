@@ -65,7 +65,8 @@ def schedule_limits(vllm_config) -> list[ChunkLimit]:
 
 def check_sparse_prefill_schedule(vllm_config, logger) -> str | None:
     """The runtime's check that the resolved scheduler settings let a prefill chunk reach the minimum
-    length; one warning naming the setting when they do not."""
+    attention work within the model length; one warning naming the setting when they do not."""
     attention_config = vllm_config.attention_config
     settings = sparse_prefill_settings(attention_config) if _selected(attention_config) else None
-    return check_schedule(settings, schedule_limits(vllm_config), FACTS, logger)
+    return check_schedule(settings, schedule_limits(vllm_config), FACTS, logger,
+                          max_context=vllm_config.model_config.max_model_len)

@@ -164,7 +164,8 @@ def test_steps_without_a_long_prefill_and_dense_layers_run_upstreams_forward(ste
     upstream = []
     monkeypatch.setattr(FlashAttentionImpl, "forward", lambda self, *args, **kwargs: upstream.append(1))
     query, key, value, kv_cache, metadata = make_step()
-    make_impl(min_len=256).forward(query, key, value, kv_cache, metadata)  # 200 < 256
+    # 200 queries over 300 keys: less work than a fresh 320-token prompt.
+    make_impl(min_len=320).forward(query, key, value, kv_cache, metadata)
     make_impl(layer="model.layers.1.self_attn.attn", dense_layers=2).forward(query, key, value, kv_cache, metadata)
     short_tables = make_step()[4]
     short_tables.block_tables = short_tables.block_tables[:, :2]  # a prefix-cache hit lists only cached blocks
@@ -256,19 +257,20 @@ def test_flags_parse_validate_and_log(monkeypatch):
 
 def test_a_schedule_that_leaves_the_backend_inert_is_said_at_startup():
     """V0 turns chunked prefill on only past 32K tokens, and then budgets 512 tokens a step: either way
-    no chunk reaches the default minimum length, and the warning names what to set."""
+    no chunk reaches the default minimum work within the model length, and the warning names what to set."""
     from vllm.config import SchedulerConfig
 
     settings = settings_from_flags({})
     cases = [
         (dict(max_num_batched_tokens=32768, max_model_len=32768, enable_chunked_prefill=False),
-         "chunked prefill off admits no prefill chunk to it, below --sparse-prefill-min-len=16384; set "
-         "--enable-chunked-prefill --max-num-batched-tokens 16384"),
+         "chunked prefill off admits no prefill chunk to it; set --enable-chunked-prefill "
+         "--max-num-batched-tokens 16384"),
         (dict(max_num_batched_tokens=None, max_model_len=65536, enable_chunked_prefill=True),
          "--max-num-batched-tokens caps a prefill chunk at 512 tokens"),
-        (dict(max_num_batched_tokens=32768, max_model_len=65536, enable_chunked_prefill=True,
+        # Chunks of 4096 reach a fresh 16K prompt's work from a context of 34816 tokens: not within 32K.
+        (dict(max_num_batched_tokens=32768, max_model_len=32768, enable_chunked_prefill=True,
               max_num_partial_prefills=2, long_prefill_token_threshold=4096),
-         "--long-prefill-token-threshold caps a prefill chunk at 4096 tokens"),
+         "--long-prefill-token-threshold caps a prefill chunk at 4096 tokens, which reaches"),
     ]  # fmt: skip
     for fields, named in cases:
         log = Log()

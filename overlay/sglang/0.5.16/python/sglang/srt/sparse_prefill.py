@@ -64,4 +64,5 @@ def check_sparse_prefill_schedule(server_args, logger) -> Optional[str]:
         return None
     size = server_args.chunked_prefill_size
     limits = [ChunkLimit("--chunked-prefill-size", size)] if size is not None and size > 0 else []
-    return check_schedule(settings_from_server_args(server_args), limits, FACTS, logger)
+    return check_schedule(settings_from_server_args(server_args), limits, FACTS, logger,
+                          max_context=server_args.context_length)

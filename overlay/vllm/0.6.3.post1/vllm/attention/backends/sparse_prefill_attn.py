@@ -90,7 +90,8 @@ class SparsePrefillAttentionImpl(FlashAttentionImpl):
         prefill = attn_metadata.prefill_metadata
         if (self.dense_reason is not None or attn_type != AttentionType.DECODER
                 or prefill is None or kv_cache.numel() == 0
-                or not self.settings.kernel.long_chunk(prefill.max_query_len)
+                or not self.settings.kernel.long_chunk(
+                    prefill.max_query_len, prefill.max_prefill_seq_len)
                 or not _block_tables_cover(prefill, kv_cache.shape[2])):
             return super().forward(query, key, value, kv_cache, attn_metadata,
                                    k_scale, v_scale, attn_type)
@@ -188,10 +189,10 @@ def prefill_runs(attn_metadata: FlashAttentionMetadata,
         return cached[1]
     prefill = attn_metadata.prefill_metadata
     query_start_loc = prefill.query_start_loc.cpu()
-    runs = split_long_prefills(query_start_loc, prefill.num_prefills,
-                               settings.kernel)
+    seq_lens = torch.tensor(prefill.seq_lens, dtype=torch.int32)
+    runs = split_long_prefills(query_start_loc, seq_lens,
+                               prefill.num_prefills, settings.kernel)
     if runs is not None:
-        seq_lens = torch.tensor(prefill.seq_lens, dtype=torch.int32)
         runs = with_layouts(runs, query_start_loc, seq_lens, settings.kernel,
                             device)
     attn_metadata._prefill_accel_runs = (settings, runs)

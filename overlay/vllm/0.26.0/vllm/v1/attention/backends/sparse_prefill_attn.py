@@ -82,6 +82,7 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
     ):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.kernel_config = sparse_prefill_settings(vllm_config.attention_config).kernel
+        self.max_model_len = vllm_config.model_config.max_model_len
         # Built once the KV cache exists, before CUDA graphs are captured: compile and tune the kernels
         # for this group's shapes now, not inside the first long prompt.
         heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
@@ -91,6 +92,7 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
                 num_heads=heads, num_kv_heads=kv_cache_spec.num_kv_heads, head_dim=kv_cache_spec.head_size,
                 dtype=kv_cache_spec.dtype, page_size=kv_cache_spec.block_size, config=self.kernel_config,
                 chunk_tokens=binding_limit(schedule_limits(vllm_config)).tokens, device=device,
+                max_context=self.max_model_len,
             )  # fmt: skip
 
     def build(
@@ -99,21 +101,21 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> FlashAttentionMetadata:
-        """Upstream's metadata, unchanged for a step with no prefill chunk of the minimum length (every
-        decode step, every short prefill); with one, upstream's fields plus the step's runs."""
+        """Upstream's metadata, unchanged for a step with no prefill chunk of the minimum attention work
+        (every decode step, every short prefill); with one, upstream's fields plus the step's runs."""
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         runs = None
-        if self.kernel_config.long_chunk(common_attn_metadata.max_query_len):
-            runs = split_long_prefills(
-                common_attn_metadata.query_start_loc_cpu, common_attn_metadata.num_reqs, self.kernel_config
-            )
-        if runs is None:
-            return metadata
-        if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        # The longest chunk at the longest context bounds every request's work: most steps stop here.
+        if self.kernel_config.long_chunk(common_attn_metadata.max_query_len, common_attn_metadata.max_seq_len):
             # Exact for prefill rows, which are all the sparse runs hold; read once per step otherwise.
             seq_lens_cpu = common_attn_metadata.seq_lens_cpu_upper_bound
             if seq_lens_cpu is None:
                 seq_lens_cpu = common_attn_metadata.seq_lens_cpu
+            runs = split_long_prefills(common_attn_metadata.query_start_loc_cpu, seq_lens_cpu,
+                                       common_attn_metadata.num_reqs, self.kernel_config)  # fmt: skip
+        if runs is None:
+            return metadata
+        if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             runs = with_layouts(
                 runs, common_attn_metadata.query_start_loc_cpu, seq_lens_cpu, self.kernel_config, self.device
             )
@@ -122,7 +124,8 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
 
     def use_cascade_attention(self, common_prefix_len: int, query_lens: np.ndarray, **kwargs) -> bool:
         # Cascade attention runs the whole step as one shared-prefix pass, which cannot be split by request.
-        if len(query_lens) and self.kernel_config.long_chunk(int(query_lens.max())):
+        # The contexts are not given here: the model length bounds them.
+        if len(query_lens) and self.kernel_config.long_chunk(int(query_lens.max()), self.max_model_len):
             return False
         return super().use_cascade_attention(common_prefix_len=common_prefix_len, query_lens=query_lens, **kwargs)
 

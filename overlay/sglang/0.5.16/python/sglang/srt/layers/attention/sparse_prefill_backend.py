@@ -62,7 +62,7 @@ def sparse_batch(
     page_size: int,
     settings: SparsePrefillSettings,
 ) -> Optional[SparseBatch]:
-    """The kernel's arguments for an extend batch, or None when no request reaches the minimum length.
+    """The kernel's arguments for an extend batch, or None when no request reaches the minimum attention work.
 
     Reads only host lengths (``extend_seq_lens_cpu``, ``seq_lens_cpu``); the page table is gathered
     on the device from ``req_to_token`` rows of the batch's requests.
@@ -70,10 +70,10 @@ def sparse_batch(
     extend_lens = forward_batch.extend_seq_lens_cpu
     if extend_lens is None or forward_batch.seq_lens_cpu is None:
         return None
-    if not any(settings.kernel.long_chunk(n) for n in extend_lens):
+    seq_lens_cpu = forward_batch.seq_lens_cpu.to(torch.int32)
+    if not any(settings.kernel.long_chunk(n, k) for n, k in zip(extend_lens, seq_lens_cpu.tolist())):
         return None
     device = forward_batch.req_pool_indices.device
-    seq_lens_cpu = forward_batch.seq_lens_cpu.to(torch.int32)
     cu_seqlens_q_cpu = torch.zeros(len(extend_lens) + 1, dtype=torch.int32)
     cu_seqlens_q_cpu[1:] = torch.cumsum(torch.tensor(extend_lens, dtype=torch.int32), 0)
     max_pages = -(-int(seq_lens_cpu.max()) // page_size)
