@@ -206,17 +206,28 @@ def test_a_quantized_or_hybrid_pool_keeps_every_batch_dense():
     assert "HybridPool" in backend.pool_reason
 
 
-def test_the_registry_wraps_the_decode_backend():
+def test_the_registry_wraps_the_decode_backend(monkeypatch):
+    from prefill_accel.engine import warmup
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.server_args import ServerArgs
 
     engine = Engine(1)
     args = ServerArgs(model_path="dummy", prefill_attention_backend="sparse_prefill",
-                      attention_backend="torch_native", sparse_prefill_min_len=4096)
+                      attention_backend="torch_native", sparse_prefill_min_len=4096, chunked_prefill_size=8192)
+    model = SimpleNamespace(num_attention_heads=2 * engine.kv_pool.head_num, context_len=131072,
+                            get_num_kv_heads=lambda tp_size: engine.kv_pool.head_num // tp_size)  # fmt: skip
     runner = SimpleNamespace(server_args=args, device="cpu", req_to_token_pool=engine.req_pool,
-                             token_to_kv_pool=engine.kv_pool, page_size=1)
+                             token_to_kv_pool=engine.kv_pool, page_size=1, model_config=model)
+    warmed = []
+    monkeypatch.setattr(warmup, "warm_up", lambda **shapes: warmed.append(shapes))
     backend = ATTENTION_BACKENDS["sparse_prefill"](runner)
     assert type(backend.dense) is TorchNativeAttnBackend and backend.settings.kernel.min_q_len == 4096
+    # The kernels warmed up for the runner's shapes: the pool's heads and pages, the chunk size, the context.
+    [shapes] = warmed
+    assert (shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"]) == (
+        2 * engine.kv_pool.head_num, engine.kv_pool.head_num, engine.kv_pool.head_dim)
+    assert (shapes["chunk_tokens"], shapes["max_context"], shapes["page_size"]) == (8192, 131072, 1)
+    assert shapes["config"] is backend.settings.kernel and shapes["dtype"] == engine.kv_pool.dtype
     args.attention_backend = None
     with pytest.raises(ValueError, match="set --attention-backend or --decode-attention-backend"):
         ATTENTION_BACKENDS["sparse_prefill"](runner)

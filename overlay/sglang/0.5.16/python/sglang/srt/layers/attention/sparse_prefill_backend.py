@@ -4,8 +4,9 @@ Placed by the prefill-accel overlay; selected with ``--prefill-attention-backend
 tuned with the ``--sparse-prefill-*`` flags (``sglang/srt/sparse_prefill.py``). It wraps the dense
 backend the server uses for decode (``--decode-attention-backend``, else ``--attention-backend``):
 that backend keeps its metadata for every batch and computes everything except one case. In an
-extend batch (a fresh prefill, a chunk of a chunked prefill, a radix-cache hit) where some request
-has at least ``--sparse-prefill-min-len`` new tokens, a layer the kernel can compute writes this
+extend batch (a fresh prefill, a chunk of a chunked prefill, a radix-cache hit) where some request's
+new tokens have the attention work of a fresh ``--sparse-prefill-min-len`` prompt (SparsePrefillConfig.
+long_chunk: that many, or fewer after a long prefix), a layer the kernel can compute writes this
 batch's keys and values to the KV pool and runs ``prefill_accel.sparse_prefill_attention`` over the
 whole batch, reading every key through ``req_to_token``; the kernel computes the batch's shorter
 requests dense itself.
@@ -21,6 +22,9 @@ and chunked-local (iRoPE) layers, logit soft-capping, cross and encoder-only att
 kernel lacks, differing K and V head sizes. Batches that stay dense: decodes, target verification,
 batches padded beyond their tokens, calls with extra arguments (attention sinks and the like), and
 every batch when the KV pool is not the plain token pool (quantized, HND or hybrid layouts).
+
+Built before SGLang captures its CUDA graphs, the backend compiles and tunes the kernels for the
+runner's shapes (prefill_accel.engine.warmup), so the first long prompt compiles nothing.
 """
 
 import logging
@@ -30,6 +34,7 @@ from typing import Dict, Optional
 import torch
 from prefill_accel import sparse_prefill_attention
 from prefill_accel.engine.layers import LayerTraits, dense_reason
+from prefill_accel.engine.warmup import warm_up_logged
 from prefill_accel.flags import SparsePrefillSettings
 from prefill_accel.layout import BatchLayout
 
@@ -212,10 +217,29 @@ def create_sparse_prefill_backend(runner) -> SparsePrefillAttnBackend:
             f"backend, which is {dense_name!r}: set --attention-backend or --decode-attention-backend "
             "to a dense backend (e.g. fa3, flashinfer, triton)"
         )
-    return SparsePrefillAttnBackend(
+    backend = SparsePrefillAttnBackend(
         dense=ATTENTION_BACKENDS[dense_name](runner),
         settings=settings_from_server_args(runner.server_args),
         req_to_token_pool=runner.req_to_token_pool,
         token_to_kv_pool=runner.token_to_kv_pool,
         page_size=runner.page_size,
     )
+    if backend.pool_reason is None:
+        warm_up_kernels(runner, backend.settings)
+    return backend
+
+
+def warm_up_kernels(runner, settings: SparsePrefillSettings) -> None:
+    """The runtime's warm-up for this runner's shapes: its KV pool's heads (per rank), head size, dtype
+    and pages, the model's query heads per KV head, chunks of ``--chunked-prefill-size`` (the context
+    length when prefills are not chunked) within the context length."""
+    pool, model = runner.token_to_kv_pool, runner.model_config
+    group = model.num_attention_heads // model.get_num_kv_heads(1)
+    size = runner.server_args.chunked_prefill_size
+    chunk = size if size is not None and size > 0 else model.context_len
+    warm_up_logged(
+        logger, f"{pool.head_num * group} / {pool.head_num} heads, d={pool.head_dim}",
+        num_heads=pool.head_num * group, num_kv_heads=pool.head_num, head_dim=pool.head_dim, dtype=pool.dtype,
+        page_size=runner.page_size, config=settings.kernel, chunk_tokens=chunk, device=torch.device(runner.device),
+        max_context=model.context_len,
+    )  # fmt: skip
