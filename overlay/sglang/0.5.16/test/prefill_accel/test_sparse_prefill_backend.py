@@ -231,3 +231,25 @@ def test_the_registry_wraps_the_decode_backend(monkeypatch):
     args.attention_backend = None
     with pytest.raises(ValueError, match="set --attention-backend or --decode-attention-backend"):
         ATTENTION_BACKENDS["sparse_prefill"](runner)
+
+
+def test_every_hook_of_the_base_class_is_the_dense_backends():
+    """What SGLang's AttentionBackend defines (graph hooks, verify buffers, support_triton, ...) reaches the
+    dense backend, not the base class's default; a batch whose metadata a graph captures stays dense."""
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+    defaults = {"needs_cpu_seq_lens", "prefill_attention_backend_str", "decode_attention_backend_str"}  # set per object
+    fallen_through = [name for name in vars(AttentionBackend) if not name.startswith("_") and name not in defaults
+                      and name != "forward" and name not in vars(SparsePrefillAttnBackend)]  # fmt: skip
+    assert fallen_through == []
+    engine = Engine(1)
+    calls = []
+    engine.dense.support_triton = lambda: calls.append("support_triton") or False
+    engine.dense.init_forward_metadata_for_breakable_cuda_graph_capture = lambda batch: calls.append("capture")
+    engine.dense.use_captured_forward_metadata_for_breakable_cuda_graph = True
+    assert engine.backend.support_triton() is False
+    assert engine.backend.use_captured_forward_metadata_for_breakable_cuda_graph is True
+    engine.backend.init_forward_metadata(engine.batch)
+    assert engine.backend._batch is not None  # a long extend: the kernel's batch
+    engine.backend.init_forward_metadata_for_breakable_cuda_graph_capture(engine.batch)
+    assert engine.backend._batch is None and calls == ["support_triton", "capture"]

@@ -177,6 +177,47 @@ class SparsePrefillAttnBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self):
         return self.dense.get_cuda_graph_seq_len_fill_value()
 
+    # What the base class defines for graphs, speculative verification and indexers is the dense
+    # backend's (__getattr__ reaches only what the base class lacks). A batch whose metadata a graph
+    # captured or refreshes stays dense, as above.
+    @property
+    def use_captured_forward_metadata_for_breakable_cuda_graph(self) -> bool:
+        return self.dense.use_captured_forward_metadata_for_breakable_cuda_graph
+
+    @property
+    def supports_ragged_verify_graph(self) -> bool:
+        return self.dense.supports_ragged_verify_graph
+
+    def init_forward_metadata_for_breakable_cuda_graph_capture(self, forward_batch: ForwardBatch):
+        self._batch = None
+        return self.dense.init_forward_metadata_for_breakable_cuda_graph_capture(forward_batch)
+
+    def prepare_forward_metadata_for_breakable_cuda_graph_replay(self, capture_metadata, forward_batch: ForwardBatch,
+                                                                 **kwargs) -> None:  # fmt: skip
+        self._batch = None
+        self.dense.prepare_forward_metadata_for_breakable_cuda_graph_replay(capture_metadata, forward_batch, **kwargs)
+
+    def draft_extend_metadata_captured_in_graph(self) -> bool:
+        return self.dense.draft_extend_metadata_captured_in_graph()
+
+    def on_after_cuda_graph_warmup(self):
+        return self.dense.on_after_cuda_graph_warmup()
+
+    def get_verify_buffers_to_fill_after_draft(self):
+        return self.dense.get_verify_buffers_to_fill_after_draft()
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs):
+        return self.dense.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
+
+    def support_triton(self):
+        return self.dense.support_triton()
+
+    def get_indexer_metadata(self, layer_id: int, forward_batch: ForwardBatch):
+        return self.dense.get_indexer_metadata(layer_id, forward_batch)
+
+    def forward_mixed(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True, **kwargs):
+        return self.dense.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
     def forward_decode(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True, **kwargs):
         return self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
