@@ -106,3 +106,19 @@ def test_the_mixed_load_and_served_ttft_go_through_the_products_client(driver):
     assert 1.5 <= result["itl_p50_ms"] < 50 and result["long_ttft_ms"] >= 20
     assert len(bodies) == 1 + result["short_requests"] + 1  # served_ttft, the chats, the long request
     assert {entry["max_tokens"] for entry in bodies} == {1, 48, 4}
+
+
+def test_compilations_lists_the_warm_up_and_what_compiled_during_inference(driver, tmp_path):
+    (tmp_path / "patched.log").write_text(
+        "(EngineCore pid=1) INFO 12-02 09:16:28 [warmup.py:120] prefill-accel: compiled and tuned the kernels for "
+        "12 / 2 heads, d=128, chunks of up to 16384 tokens, at (query, key) lengths 16384/16384 1/16385, in 40.1 s\n"
+        "(EngineCore pid=1) WARNING 12-02 09:17:07 [jit_monitor.py:135] Triton kernel JIT compilation during "
+        "inference: _split_attention_kernel. This causes a latency spike; consider extending warmup.\n"
+        "(EngineCore pid=1) WARNING 12-02 09:18:09 [jit_monitor.py:135] Triton kernel JIT compilation during "
+        "inference: _select_kernel. This causes a latency spike; consider extending warmup.\n")  # fmt: skip
+    (tmp_path / "upstream.log").write_text("INFO nothing of ours\n")
+    found = driver.compilations(tmp_path)
+    assert list(found) == ["patched"]
+    assert found["patched"]["jit_during_inference"] == ["_split_attention_kernel", "_select_kernel"]
+    assert found["patched"]["warmup"] == ["for 12 / 2 heads, d=128, chunks of up to 16384 tokens, at (query, key) "
+                                          "lengths 16384/16384 1/16385, in 40.1 s"]  # fmt: skip

@@ -858,6 +858,23 @@ def engine_density_stage(results: dict, gpus: str, model: str, key: str) -> None
 # --------------------------------------------------------------------------------------------- report
 
 
+JIT_LINE = "Triton kernel JIT compilation during inference: "  # vLLM's JIT monitor
+WARMUP_LINE = "prefill-accel: compiled and tuned the kernels"
+
+
+def compilations(logs: Path) -> dict:
+    """Per engine log: the warm-up's line (what it ran and how long it took) and the Triton kernels vLLM's
+    JIT monitor saw compile during inference, in order, so a run shows what the warm-up left out."""
+    found = {}
+    for log in sorted(logs.glob("*.log")):
+        text = log.read_text(errors="replace").splitlines()
+        warmups = [line.split(WARMUP_LINE, 1)[1].strip() for line in text if WARMUP_LINE in line]
+        compiled = [line.split(JIT_LINE, 1)[1].split(".", 1)[0] for line in text if JIT_LINE in line]
+        if warmups or compiled:
+            found[log.stem] = {"warmup": warmups, "jit_during_inference": compiled}
+    return found
+
+
 def report(results: dict) -> str:
     lines = [f"# vLLM 0.26.0 end to end: {results['device']}, {results['date']}", ""]
     if f"{QWEN}_rope_check" in results:
@@ -967,6 +984,10 @@ def main() -> None:
         tp_phase(results, "0,1", args)
     if "qwen" in phases:
         qwen_phase(results, "0", args)
+    results["compilations"] = compilations(LOGS)
+    for name, seen in results["compilations"].items():
+        say(f"{name}: warm-up {'; '.join(seen['warmup']) or 'none'}; compiled during inference: "
+            f"{', '.join(seen['jit_during_inference']) or 'nothing'}")
     (out / f"results-{'-'.join(phases)}.json").write_text(json.dumps(results, indent=1, default=str))
     text = report(results)
     (out / f"report-{'-'.join(phases)}.md").write_text(text)
