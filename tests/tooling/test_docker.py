@@ -1,21 +1,34 @@
-"""The Dockerfiles: lint with hadolint, and the build command carries the target's labels.
+"""The Dockerfiles and the image build command lines: hadolint on every Dockerfile, the docker and buildah
+command lines with the target's build arguments and labels, the choice of builder, the build context, the
+stand-in base's build and what it keeps of each official image.
 
-No Docker engine runs in CI, so images are not built here; the install step they run is exercised by
-test_build_verify.py on a virtualenv.
+Fast and without a builder: the images themselves are built and run by test_images.py (-m image).
 """
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 
-from prefill_accel.tooling.envbuild import docker_build_command
+from prefill_accel.errors import UsageError
+from prefill_accel.progress import Progress
+from prefill_accel.tooling import commands, images, registry, standin
 
 from .conftest import ROOT, TARGET_NAMES
+from .dockerfile import resolve
+
+DOCKERFILES = sorted(p for p in (ROOT / "docker").rglob("Dockerfile*") if p.is_file())
+# Where each pinned vLLM release keeps the Dockerfile of its official image, and the stage it is built
+# from (vLLM's docker docs: `--target vllm-openai`). SGLang publishes no sdist, so its stand-in stage is
+# checked against nothing here (docs/deployment.md says where its values come from).
+UPSTREAM_DOCKERFILES = {"vllm-0.26.0": "docker/Dockerfile", "vllm-0.6.3.post1": "Dockerfile"}
+UPSTREAM_STAGE = "vllm-openai"
 
 
 def hadolint() -> str:
@@ -26,26 +39,221 @@ def hadolint() -> str:
     return found
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_dockerfile_passes_hadolint(engine):
-    proc = subprocess.run([hadolint(), str(ROOT / "docker" / f"Dockerfile.{engine}")], capture_output=True, text=True)
+def test_every_engine_and_the_stand_in_have_a_dockerfile():
+    names = {p.relative_to(ROOT).as_posix() for p in DOCKERFILES}
+    assert {"docker/Dockerfile.vllm", "docker/Dockerfile.sglang", "docker/stand-in/Dockerfile"} <= names
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_dockerfile_passes_hadolint(dockerfile):
+    proc = subprocess.run([hadolint(), str(dockerfile)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("name", TARGET_NAMES)
-def test_docker_build_command_pins_base_image_and_labels(targets, name):
+@pytest.mark.parametrize("builder", images.BUILDERS)
+def test_build_command_pins_base_image_and_labels(targets, name, builder, tmp_path):
     target = targets.resolve(name)
-    cmd = docker_build_command(target, ROOT)
-    assert f"BASE_IMAGE={target.base_image}" in cmd and f"TARGET={name}" in cmd
+    cmd = images.build_command(builder, target, ROOT, tmp_path)
+    assert cmd[:len(images.builder_command(builder))] == images.builder_command(builder)
+    base = target.base_image if builder == "docker" else f"docker.io/{target.base_image}"
+    assert f"BASE_IMAGE={base}" in cmd and f"TARGET={name}" in cmd
+    assert cmd[cmd.index("-f") + 1] == str(tmp_path / "docker" / f"Dockerfile.{target.engine}")
     assert cmd[cmd.index("-t") + 1] == f"prefill-accel/{target.engine}:{target.version}-pa{target.series_version}"
+    assert cmd[-1] == str(tmp_path)
     labels = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--label"]
     assert f"io.prefill-accel.target={name}" in labels
+    assert f"org.opencontainers.image.base.name={target.base_image}" in labels
     assert any(label.startswith("io.prefill-accel.series-hash=") and len(label.split("=")[1]) == 12
                for label in labels)
     assert any(label.startswith("org.opencontainers.image.revision=") for label in labels)
-    assert (ROOT / "docker" / f"Dockerfile.{target.engine}").is_file()
+
+
+def test_docker_and_buildah_take_the_same_arguments(targets, tmp_path):
+    target = targets.resolve("vllm-0.26.0")
+    docker = images.build_command("docker", target, ROOT, tmp_path, "base:tag", "img:tag")
+    buildah = images.build_command("buildah", target, ROOT, tmp_path, "base:tag", "img:tag")
+    assert docker[:2] == ["docker", "build"]
+    assert buildah[:4] == ["buildah", "build", "--isolation", "chroot"]
+    assert docker[2:] == buildah[4:]
+    assert "BASE_IMAGE=base:tag" in docker and docker[docker.index("-t") + 1] == "img:tag"
+
+
+@pytest.mark.parametrize("image, qualified", [
+    ("vllm/vllm-openai:v0.26.0", "docker.io/vllm/vllm-openai:v0.26.0"),
+    ("debian:bookworm", "docker.io/library/debian:bookworm"),
+    ("quay.io/org/image:1", "quay.io/org/image:1"),
+    ("localhost:5000/image:1", "localhost:5000/image:1"),
+    ("localhost/prefill-accel/stand-in-base:vllm-0.26.0", "localhost/prefill-accel/stand-in-base:vllm-0.26.0"),
+])
+def test_buildah_gets_docker_hub_names_fully_qualified(image, qualified):
+    assert images.docker_hub_name(image) == qualified
+
+
+@pytest.fixture
+def builders(monkeypatch):
+    """Set which builders answer: builders(docker=..., buildah=...)."""
+    def set_available(docker: bool, buildah: bool) -> None:
+        monkeypatch.setitem(images._AVAILABLE, "docker", lambda: docker)
+        monkeypatch.setitem(images._AVAILABLE, "buildah", lambda: buildah)
+    return set_available
+
+
+@pytest.mark.parametrize("docker, buildah, chosen", [
+    (True, True, "docker"), (True, False, "docker"), (False, True, "buildah"), (False, False, None)])
+def test_builder_choice_prefers_a_docker_engine_then_buildah(builders, docker, buildah, chosen):
+    builders(docker, buildah)
+    assert images.choose_builder(None) == chosen
+
+
+def test_an_explicit_builder_wins_and_one_that_does_not_work_is_an_error_naming_both(builders):
+    builders(docker=True, buildah=True)
+    assert images.choose_builder("buildah") == "buildah"
+    builders(docker=False, buildah=True)
+    with pytest.raises(UsageError) as error:
+        images.choose_builder("docker")
+    assert "--builder docker" in str(error.value) and "docker" in str(error.value) and "buildah" in str(error.value)
+
+
+def test_the_no_builder_message_says_what_to_install_or_start(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    message = images.no_builder_message()
+    assert "docker is not installed" in message and "buildah is not installed (apt-get install buildah)" in message
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: f"/usr/bin/{name}")
+    assert "no Docker engine answers `docker info`" in images.no_builder_message()
+
+
+def _build_args(**overrides) -> argparse.Namespace:
+    values = dict(target="vllm-0.26.0", venv=None, builder=None, stand_in_base=False,
+                  debian_mirror=standin.DEBIAN_MIRROR, quiet=True)
+    return argparse.Namespace(**{**values, **overrides})
+
+
+def test_build_refuses_a_venv_with_an_image_option(tmp_path):
+    with pytest.raises(UsageError, match="--venv builds a virtualenv"):
+        commands._run_build(_build_args(venv=tmp_path / "v", builder="buildah"))
+
+
+def test_a_stand_in_build_without_any_builder_names_both(builders):
+    builders(docker=False, buildah=False)
+    with pytest.raises(UsageError) as error:
+        commands._run_build(_build_args(stand_in_base=True))
+    assert "docker" in str(error.value) and "buildah" in str(error.value)
+
+
+def test_build_with_a_chosen_builder_runs_its_command_and_says_how_to_run_the_image(builders, monkeypatch, capsys):
+    builders(docker=False, buildah=True)
+    ran = []
+    monkeypatch.setattr(images, "run_build", lambda cmd, step, progress: ran.append(cmd))
+    assert commands._run_build(_build_args()) == 0
+    assert ran[0][:4] == ["buildah", "build", "--isolation", "chroot"]
+    out = capsys.readouterr().out
+    assert "Built image prefill-accel/vllm:0.26.0-pa1" in out and "docker-daemon:prefill-accel/vllm:0.26.0-pa1" in out
+
+
+def test_the_build_context_is_the_checkout_as_git_sees_it(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / ".gitignore").write_text("cache/\n*.log\n")
+    (repo / "tracked.txt").write_text("t")
+    (repo / "gone.txt").write_text("g")
+    (repo / "cache").mkdir()
+    (repo / "cache" / "big.bin").write_text("x")
+    (repo / "run.log").write_text("l")
+    script = repo / "tool.sh"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
+    (repo / "gone.txt").unlink()
+    (repo / "new.txt").write_text("n")
+    dest = tmp_path / "context"
+    dest.mkdir()
+    assert images.checkout_context(repo, dest) == dest
+    assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()) == \
+        [".gitignore", "new.txt", "tool.sh", "tracked.txt"]
+    assert (dest / "tool.sh").stat().st_mode & 0o111
+
+
+def test_outside_git_the_context_is_the_directory_itself(tmp_path):
+    assert images.checkout_context(tmp_path, tmp_path / "unused") == tmp_path
 
 
 def test_install_script_is_the_one_the_dockerfiles_run():
     for engine in ("vllm", "sglang"):
         assert "scripts/install-into-env.sh" in (ROOT / "docker" / f"Dockerfile.{engine}").read_text()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_dockerfiles_leave_the_base_entrypoint_and_workdir_alone(engine):
+    """An image FROM the official one keeps its ENTRYPOINT and WORKDIR (test_images checks the built ones)."""
+    text = (ROOT / "docker" / f"Dockerfile.{engine}").read_text()
+    assert resolve(text, "0") == (None, None)
+
+
+# The stand-in base ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", TARGET_NAMES)
+def test_every_target_has_a_stand_in_stage_and_its_build_command(targets, name, tmp_path):
+    target = targets.resolve(name)
+    assert name in standin.stages(ROOT)
+    cmd = standin.build_command("buildah", target, ROOT, tmp_path)
+    assert cmd[:4] == ["buildah", "build", "--isolation", "chroot"]
+    assert cmd[cmd.index("--target") + 1] == name
+    assert cmd[cmd.index("-f") + 1] == str(ROOT / "docker" / "stand-in" / "Dockerfile")
+    assert cmd[cmd.index("-t") + 1] == f"prefill-accel/stand-in-base:{name}" != target.base_image
+    assert f"CPU_BREAKING_FILES={' '.join(target.venv_remove)}" in cmd
+    assert f"io.prefill-accel.stand-in-for={target.base_image}" in cmd
+    assert standin.image_tag(target) not in (target.image, target.base_image)
+
+
+def test_a_target_without_a_stand_in_stage_is_a_usage_error(targets, tmp_path):
+    (tmp_path / "docker" / "stand-in").mkdir(parents=True)
+    (tmp_path / "docker" / "stand-in" / "Dockerfile").write_text("FROM scratch AS debian\n")
+    with pytest.raises(UsageError, match="has no stage vllm-0.26.0"):
+        standin.build_stand_in_base("buildah", targets.resolve("vllm-0.26.0"), tmp_path, Progress(quiet=True))
+
+
+@pytest.mark.parametrize("name", sorted(UPSTREAM_DOCKERFILES))
+def test_the_stand_in_keeps_the_official_images_entrypoint_and_workdir(targets, name):
+    """The stand-in's stage against the official image's Dockerfile in the pinned sdist (target vllm-openai)."""
+    target = targets.resolve(name)
+    sdist = registry.fetch_file(target.engine, target.artifact, target.artifact_sha256, ROOT, Progress(quiet=True))
+    with tarfile.open(sdist) as tar:
+        upstream = tar.extractfile(f"{target.engine}-{target.version}/{UPSTREAM_DOCKERFILES[name]}").read().decode()
+    expected = resolve(upstream, UPSTREAM_STAGE)
+    assert None not in expected
+    assert resolve(standin.dockerfile(ROOT).read_text(), name) == expected
+
+
+def test_every_stand_in_requirement_is_pinned():
+    for path in sorted((ROOT / "docker" / "stand-in" / "requirements").glob("*.txt")):
+        lines = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+        assert lines and all("==" in line for line in lines), path
+        assert path.stem in TARGET_NAMES, path
+
+
+def test_wheels_are_downloaded_for_the_stand_ins_python_not_this_machines(tmp_path):
+    cmd = standin.pip_download_command(tmp_path, ["-r", "req.txt"])
+    assert cmd[:4] == [sys.executable, "-m", "pip", "download"]
+    assert "--no-deps" in cmd and cmd[cmd.index("--only-binary") + 1] == ":all:"
+    assert cmd[cmd.index("--python-version") + 1] == "3.11" and "cp311" in cmd
+    platforms = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--platform"]
+    assert platforms[0].startswith("manylinux_2_36_") and any(p.startswith("manylinux2014_") for p in platforms)
+    assert cmd[-2:] == ["-r", "req.txt"]
+
+
+def test_the_cached_rootfs_is_reused_without_debootstrap(tmp_path, monkeypatch):
+    monkeypatch.setenv(registry.CACHE_ENV, str(tmp_path))
+    cached = tmp_path / "stand-in" / f"debian-{standin.DEBIAN_SUITE}-minbase.tar"
+    cached.parent.mkdir()
+    cached.write_bytes(b"rootfs")
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)  # no debootstrap needed
+    assert standin.debian_rootfs(ROOT, Progress(quiet=True)) == cached
+
+
+def test_without_debootstrap_the_stand_in_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv(registry.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    with pytest.raises(UsageError, match="apt-get install debootstrap"):
+        standin.debian_rootfs(ROOT, Progress(quiet=True))

@@ -11,9 +11,12 @@ Modules, one job each:
   export    `edit` work trees and deterministic `export` back to patches/
   rebase    replay the series onto a new upstream release (GitPython)
   verify    upstream's CPU tests, unpatched vs patched, regressions only
-  envbuild  the virtualenv flavour of the Docker build (build.sh --venv)
+  envbuild  the virtualenv flavour of the image build (build.sh --venv)
+  images    the image build: docker or buildah, their command line, the build context
+  standin   a stand-in for a target's official image, built here (build.sh --stand-in-base)
 
-Engine-specific facts live in patches/targets.toml, never in this code. Standard library and git only
-(GitPython for rebase): nothing here imports torch. Errors, progress output and the subcommand type are
-shared with the serving tools (prefill_accel.errors, .progress, .commands).
+Engine-specific facts live in patches/targets.toml (and, for the stand-in bases, docker/stand-in/),
+never in this code. Standard library and git only (GitPython for rebase): nothing here imports torch.
+Errors, progress output and the subcommand type are shared with the serving tools (prefill_accel.errors,
+.progress, .commands).
 """

@@ -95,30 +95,56 @@ def _run_install(args) -> int:
 # build -------------------------------------------------------------------------------------------------
 
 def _configure_build(p):
+    from .images import BUILDERS
+    from .standin import DEBIAN_MIRROR
+
     _target_arg(p)
     p.add_argument("--venv", type=Path, metavar="DIR",
-                   help="build a virtualenv in DIR instead of an image (the default without a Docker engine)")
+                   help="build a virtualenv in DIR instead of an image (the default where no image builder works)")
+    p.add_argument("--builder", choices=BUILDERS,
+                   help="image builder (default: docker where a Docker engine answers, else buildah where installed)")
+    p.add_argument("--stand-in-base", action="store_true",
+                   help="build FROM a stand-in for the official image, made here (a Debian rootfs by debootstrap, "
+                        "as root; the pinned engine with its CPU dependencies): the image builds and its engine "
+                        "parses its flags without the official image or a GPU; tagged IMAGE-stand-in")
+    p.add_argument("--debian-mirror", default=DEBIAN_MIRROR, metavar="URL",
+                   help=f"where debootstrap fetches the stand-in's Debian packages (default {DEBIAN_MIRROR})")
 
 
 def _run_build(args) -> int:
-    from . import envbuild
+    from ..errors import UsageError
+    from . import envbuild, images, standin
 
     targets = Targets.load()
     target = targets.resolve(args.target)
     progress = progress_of(args)
-    if args.venv is None and envbuild.docker_available():
-        image = envbuild.build_image(target, targets.root, progress)
-        print(f"Built image {image} (series hash {envbuild.series_hash(target, targets.root)}).\nRun it:\n  "
+    if args.venv is not None and (args.builder or args.stand_in_base):
+        raise UsageError("--venv builds a virtualenv, not an image: drop --builder and --stand-in-base")
+    builder = None if args.venv is not None else images.choose_builder(args.builder)
+    if builder is None and args.stand_in_base:
+        raise UsageError(f"--stand-in-base builds images: {images.no_builder_message()}")
+    series = envbuild.series_hash(target, targets.root)
+    if builder is not None and args.stand_in_base:
+        base = standin.build_stand_in_base(builder, target, targets.root, progress, args.debian_mirror)
+        image = images.build_image(builder, target, targets.root, progress, base, standin.image_tag(target))
+        print(f"Built image {image} (series hash {series}) FROM {base}, a stand-in for {target.base_image}: "
+              f"its engine parses its flags and starts until it needs a GPU; it serves nothing.")
+        return 0
+    if builder is not None:
+        image = images.build_image(builder, target, targets.root, progress)
+        print(f"Built image {image} (series hash {series}) with {builder}.\nRun it:\n  "
               + target.run_example.format(image=image))
+        if builder == "buildah":
+            print(f"(buildah keeps it in containers-storage, where podman runs it; `buildah push {image} "
+                  f"docker-daemon:{image}` hands it to a Docker engine.)")
         return 0
     venv = args.venv or targets.root / "build" / "venv" / target.name
     if args.venv is None:
-        progress.note("No Docker engine answers: building the virtualenv flavour instead (same install step).")
+        progress.note(f"{images.no_builder_message()}: building the virtualenv flavour instead (same install step).")
     python = envbuild.build_venv(target, targets.root, venv, progress)
-    print(f"Built virtualenv {venv} with patched {target.name} (series hash "
-          f"{envbuild.series_hash(target, targets.root)}).\nUse it:\n  {shlex.quote(str(python))} -c "
-          f"'import {target.package}'\nThe image flavour (needs a Docker engine and a GPU) runs as:\n  "
-          + target.run_example.format(image=target.image))
+    print(f"Built virtualenv {venv} with patched {target.name} (series hash {series}).\nUse it:\n  "
+          f"{shlex.quote(str(python))} -c 'import {target.package}'\nThe image flavour (needs an image builder "
+          f"and a GPU) runs as:\n  " + target.run_example.format(image=target.image))
     return 0
 
 
@@ -214,7 +240,7 @@ TOOLING_COMMANDS: dict[str, Command] = {
     "apply": Command("apply the patch series and overlay to a tree, all or nothing", _configure_apply, _run_apply),
     "install": Command("patch the engine installed in a Python environment and add the runtime package",
                        _configure_install, _run_install),
-    "build": Command("build the patched engine: a Docker image, or a virtualenv without Docker",
+    "build": Command("build the patched engine: an image (docker or buildah), or a virtualenv without either",
                      _configure_build, _run_build),
     "verify": Command("run upstream's CPU tests unpatched vs patched plus ours; fail on regressions",
                       _configure_verify, _run_verify),

@@ -1,7 +1,7 @@
-"""`prefill-accel build`: the patched engine as a Docker image, or as a virtualenv where Docker is absent.
+"""`prefill-accel build --venv`: the patched engine as a virtualenv, the flavour of the image build without one.
 
-Both paths end in the same install step, scripts/install-into-env.sh (-> `prefill-accel install`):
-  image  docker/Dockerfile.<engine>, FROM the target's official image, runs the script inside it
+Both flavours end in the same install step, scripts/install-into-env.sh (-> `prefill-accel install`):
+  image  docker/Dockerfile.<engine>, FROM the target's official image, runs the script inside it (images.py)
   venv   a fresh virtualenv with the pinned engine wheel installed --no-deps, the pinned CPU import/test
          dependencies (docker/requirements/), the target's CPU-breaking files removed, then the script
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..progress import Progress
-from . import gitutil, registry
+from . import registry
 from .errors import ToolingError
 from .overlay import overlay_files
 from .series import Series, content_hash
@@ -31,44 +31,8 @@ INSTALL_SCRIPT = Path("scripts") / "install-into-env.sh"
 ENV_STAMP = "prefill-accel-env.json"
 
 
-def docker_available() -> bool:
-    """True when a Docker engine answers (a client alone is not enough)."""
-    if not shutil.which("docker"):
-        return False
-    try:
-        return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
-
-
 def series_hash(target: Target, root: Path) -> str:
     return content_hash(Series(target.patch_dir(root)), overlay_files(target, root))
-
-
-def docker_build_command(target: Target, root: Path) -> list[str]:
-    labels = {
-        "org.opencontainers.image.title": f"prefill-accel {target.engine}",
-        "org.opencontainers.image.version": f"{target.version}-pa{target.series_version}",
-        "org.opencontainers.image.revision": gitutil.source_commit(root),
-        "org.opencontainers.image.base.name": target.base_image,
-        "io.prefill-accel.target": target.name,
-        "io.prefill-accel.series-hash": series_hash(target, root),
-    }
-    cmd = ["docker", "build", "-f", str(root / "docker" / f"Dockerfile.{target.engine}"),
-           "--build-arg", f"BASE_IMAGE={target.base_image}", "--build-arg", f"TARGET={target.name}",
-           "--build-arg", f"PREFILL_ACCEL_COMMIT={labels['org.opencontainers.image.revision']}",
-           "-t", target.image]
-    for key, value in labels.items():
-        cmd += ["--label", f"{key}={value}"]
-    return [*cmd, str(root)]
-
-
-def build_image(target: Target, root: Path, progress: Progress) -> str:
-    cmd = docker_build_command(target, root)
-    with progress.step(f"docker build {target.image} FROM {target.base_image}"):
-        if subprocess.run(cmd).returncode != 0:
-            raise ToolingError(f"docker build of {target.image} failed")
-    return target.image
 
 
 def build_venv(target: Target, root: Path, venv: Path, progress: Progress) -> Path:
