@@ -125,7 +125,7 @@ def test_the_no_builder_message_says_what_to_install_or_start(monkeypatch):
 
 def _build_args(**overrides) -> argparse.Namespace:
     values = dict(target="vllm-0.26.0", venv=None, builder=None, stand_in_base=False,
-                  debian_mirror=standin.DEBIAN_MIRROR, quiet=True)
+                  debian_mirror=None, quiet=True)
     return argparse.Namespace(**{**values, **overrides})
 
 
@@ -257,3 +257,17 @@ def test_without_debootstrap_the_stand_in_says_what_to_install(tmp_path, monkeyp
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
     with pytest.raises(UsageError, match="apt-get install debootstrap"):
         standin.debian_rootfs(ROOT, Progress(quiet=True))
+
+
+def test_the_stand_in_bootstraps_from_the_archive_this_machines_apt_uses(tmp_path):
+    lists = tmp_path / "sources.list.d"
+    lists.mkdir()
+    assert standin.host_debian_mirror(tmp_path) is None  # no source: the build asks for --debian-mirror
+    (tmp_path / "sources.list").write_text("# deb http://old.example/debian bookworm main\n"
+                                           "deb [arch=amd64] http://other.example/apt stable main\n")  # fmt: skip
+    (lists / "debian.sources").write_text(
+        "Types: deb\nURIs: http://mirror.example/debian-security\nSuites: bookworm-security\nComponents: main\n\n"
+        "Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm bookworm-updates\nComponents: main\n")
+    assert standin.host_debian_mirror(tmp_path) == "http://mirror.example/debian"
+    (lists / "extra.list").write_text("deb [signed-by=/k.gpg] http://list.example/debian bookworm main\n")
+    assert standin.host_debian_mirror(tmp_path) == "http://list.example/debian"  # one-line files come first

@@ -96,7 +96,7 @@ def _run_install(args) -> int:
 
 def _configure_build(p):
     from .images import BUILDERS
-    from .standin import DEBIAN_MIRROR
+    from .standin import DEBIAN_SUITE
 
     _target_arg(p)
     p.add_argument("--venv", type=Path, metavar="DIR",
@@ -107,8 +107,9 @@ def _configure_build(p):
                    help="build FROM a stand-in for the official image, made here (a Debian rootfs by debootstrap, "
                         "as root; the pinned engine with its CPU dependencies): the image builds and its engine "
                         "parses its flags without the official image or a GPU; tagged IMAGE-stand-in")
-    p.add_argument("--debian-mirror", default=DEBIAN_MIRROR, metavar="URL",
-                   help=f"where debootstrap fetches the stand-in's Debian packages (default {DEBIAN_MIRROR})")
+    p.add_argument("--debian-mirror", metavar="URL",
+                   help="where debootstrap fetches the stand-in's Debian packages (default: the archive this "
+                        f"machine's apt uses for {DEBIAN_SUITE})")
 
 
 def _run_build(args) -> int:

@@ -37,7 +37,7 @@ from .targets import Target
 
 STAND_IN_DIR = Path("docker") / "stand-in"
 DEBIAN_SUITE = "bookworm"
-DEBIAN_MIRROR = "http://deb.debian.org/debian"
+APT_SOURCES = Path("/etc/apt")
 # The suite's python3 and glibc: the wheels are downloaded for these, whatever the building machine runs.
 DEBIAN_PYTHON = (3, 11)
 DEBIAN_GLIBC = (2, 36)
@@ -69,7 +69,7 @@ def stages(root: Path) -> list[str]:
 
 
 def build_stand_in_base(builder: str, target: Target, root: Path, progress: Progress,
-                        mirror: str = DEBIAN_MIRROR) -> str:  # fmt: skip
+                        mirror: str | None = None) -> str:  # fmt: skip
     """Build the target's stand-in base with `builder`; returns its tag."""
     if target.name not in stages(root):
         raise UsageError(f"{dockerfile(root)} has no stage {target.name}: add one saying what {target.base_image} "
@@ -92,9 +92,32 @@ def build_command(builder: str, target: Target, root: Path, context: Path) -> li
             "--label", f"io.prefill-accel.stand-in-for={target.base_image}", str(context)]
 
 
-def debian_rootfs(root: Path, progress: Progress, mirror: str = DEBIAN_MIRROR) -> Path:
-    """A tarball of `debootstrap --variant=minbase DEBIAN_SUITE`, cached as
-    $PREFILL_ACCEL_CACHE/stand-in/debian-SUITE-minbase.tar (delete it to bootstrap again)."""
+def host_debian_mirror(sources: Path = APT_SOURCES) -> str | None:
+    """The archive this machine's apt fetches DEBIAN_SUITE from (the first source listing the suite itself,
+    one-line or deb822 format), or None."""
+    files = [sources / "sources.list", *sorted((sources / "sources.list.d").glob("*.list")),
+             *sorted((sources / "sources.list.d").glob("*.sources"))]  # fmt: skip
+    for path in files:
+        if not path.is_file():
+            continue
+        text = path.read_text(errors="replace")
+        if path.suffix == ".sources":
+            for stanza in re.split(r"\n\s*\n", text):
+                fields = dict(re.findall(r"^([A-Za-z-]+):\s*(.*)$", stanza, re.MULTILINE))
+                if DEBIAN_SUITE in fields.get("Suites", "").split() and fields.get("URIs"):
+                    return fields["URIs"].split()[0]
+            continue
+        for line in text.splitlines():
+            words = re.sub(r"\[[^\]]*\]", "", line.split("#", 1)[0]).split()
+            if len(words) >= 3 and words[0] == "deb" and words[2] == DEBIAN_SUITE:
+                return words[1]
+    return None
+
+
+def debian_rootfs(root: Path, progress: Progress, mirror: str | None = None) -> Path:
+    """A tarball of `debootstrap --variant=minbase DEBIAN_SUITE` from `mirror` (default: the archive this
+    machine's apt uses for the suite), cached as $PREFILL_ACCEL_CACHE/stand-in/debian-SUITE-minbase.tar
+    (delete it to bootstrap again)."""
     dest = registry.cache_dir(root) / "stand-in" / f"debian-{DEBIAN_SUITE}-minbase.tar"
     if dest.is_file():
         progress.note(f"    using the cached rootfs {dest}")
@@ -104,6 +127,10 @@ def debian_rootfs(root: Path, progress: Progress, mirror: str = DEBIAN_MIRROR) -
     if os.geteuid() != 0:
         raise UsageError("debootstrap makes the stand-in's Debian rootfs and needs root: run the first "
                          "--stand-in-base build as root (later builds reuse the cached rootfs)")
+    mirror = mirror or host_debian_mirror()
+    if mirror is None:
+        raise UsageError(f"no apt source of this machine lists Debian {DEBIAN_SUITE}: name the archive "
+                         "debootstrap should fetch from with --debian-mirror URL")
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".rootfs-") as tmp:
         tree = Path(tmp) / "rootfs"
