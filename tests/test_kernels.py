@@ -589,3 +589,26 @@ def test_the_cudnn_route_calls_torchs_op_as_each_torch_declares_it():
     given = {"query", "key", "value", "scale", *dense_route.cudnn_arguments({a.name for a in schema.arguments})}
     required = {a.name for a in schema.arguments if not a.has_default_value()}
     assert required <= given and given <= {a.name for a in schema.arguments}
+
+
+def test_a_tensor_parallel_shard_computes_its_heads_as_the_full_call_does():
+    """Tensor parallel 2 hands each GPU half the query heads and its KV heads (Qwen2.5-Coder-1.5B: 6 and 1 of
+    12 and 2): the search and attention are per KV head, so each shard's call, with the default estimator,
+    gives the full call's rows of its heads, and the index the full call keeps for them."""
+    batch = make_batch(**MIXED, num_heads=8, num_kv_heads=2, device=DEVICE)
+    config = sparse_config(estimator="mixed", query_stride=8)
+    full_index = select_blocks(*batch.search_args, config=config)
+    assert full_index.density() < 0.9, "structured inputs should leave blocks to prune"
+    full, full_lse = sparse_prefill_attention(*batch.args, config=config)
+    for shard in range(2):
+        heads, kv = slice(4 * shard, 4 * shard + 4), slice(shard, shard + 1)
+        q, k_cache, v_cache = batch.q[:, heads].contiguous(), batch.k_cache[:, :, kv].contiguous(), batch.v_cache[:, :, kv].contiguous()
+        args = (q, k_cache, v_cache, batch.page_table, batch.cu_seqlens_q, batch.seqlens_k)
+        index = select_blocks(q, k_cache, batch.page_table, batch.cu_seqlens_q, batch.seqlens_k, config=config)
+        assert torch.equal(index.counts, full_index.counts[:, kv])
+        for row in range(index.counts.shape[0]):
+            n = int(index.counts[row, 0])
+            assert torch.equal(index.indices[row, 0, :n], full_index.indices[row, shard, :n])
+        out, lse = sparse_prefill_attention(*args, config=config)
+        torch.testing.assert_close(out, full[:, heads], atol=0, rtol=0)
+        torch.testing.assert_close(lse, full_lse[heads], atol=0, rtol=0)
