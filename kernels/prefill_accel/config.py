@@ -103,14 +103,13 @@ class SparsePrefillConfig:
         than a block (a decode step) stays dense unless ``min_q_len`` is shorter still. Every router
         (the engines' batch splits, the block layout, the dense route of the public function) asks
         this one question."""
-        k_len = q_len if k_len is None else k_len
-        if q_len < min(self.min_q_len, self.block_size):
-            return False
-        return 2 * q_len * k_len - q_len * q_len >= self.min_q_len * self.min_q_len
+        start = self.sparse_from(q_len)
+        return start is not None and (q_len if k_len is None else k_len) >= start
 
     def sparse_from(self, q_len: int) -> int | None:
         """The shortest context (keys, these queries included) at which a chunk of ``q_len``
-        queries takes the sparse path (long_chunk); None where none does."""
+        queries takes the sparse path (see long_chunk): the least k with q*k - q**2/2 >= min_q_len**2/2;
+        None where none does (no queries, or fewer than a block and than min_q_len)."""
         if q_len <= 0 or q_len < min(self.min_q_len, self.block_size):
             return None
         return max(q_len, -(-(self.min_q_len * self.min_q_len + q_len * q_len) // (2 * q_len)))
