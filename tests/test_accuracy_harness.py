@@ -163,6 +163,17 @@ def test_compare_pass_matches_direct_sparse_attention(smollm2, results):
     assert harness_row["rel_err"] == pytest.approx(direct, rel=0.3)
 
 
+def test_a_sweep_computes_each_layers_mass_once_and_reports_what_a_fresh_harness_does(smollm2, results):
+    """The block masses are kept across a sweep's configurations; the recall and oracle figures of the
+    second configuration equal those of a harness that computes them afresh."""
+    assert sorted(key[1] for key in smollm2._masses if key[0] == LENGTH) == [0, 12, 24]
+    fresh = Harness(smollm2.model, smollm2.tokenizer, backend="reference", analysis_layers=[0, 12, 24])
+    again = fresh.evaluate(LENGTH, _config(0.1))
+    for cached, computed in zip(results[0.1].layers, again.layers):
+        for name in ("recall", "oracle_density", "oracle_density_95"):
+            assert cached[name] == pytest.approx(computed[name], abs=1e-6)
+
+
 def test_attention_run_validates():
     with pytest.raises(ValueError, match="backend"):
         AttentionRun(backend="cuda")

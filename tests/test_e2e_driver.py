@@ -122,3 +122,53 @@ def test_compilations_lists_the_warm_up_and_what_compiled_during_inference(drive
     assert found["patched"]["jit_during_inference"] == ["_split_attention_kernel", "_select_kernel"]
     assert found["patched"]["warmup"] == ["for 12 / 2 heads, d=128, chunks of up to 16384 tokens, at (query, key) "
                                           "lengths 16384/16384 1/16385, in 40.1 s"]  # fmt: skip
+
+
+def test_the_qwen_checks_share_the_gpu_and_every_timed_stage_waits_for_all_of_them(driver, tmp_path, monkeypatch):
+    """Checks run side by side (a failing one is recorded, the rest go on); the timed stages start only
+    when every check has ended, and then one at a time."""
+    import argparse
+    import threading
+    import time
+
+    monkeypatch.setattr(driver, "OUT_DIR", tmp_path)
+    monkeypatch.setattr(driver, "SKIP", {"qwen_rope_check"})
+    events, running, lock = [], [0], threading.Lock()
+
+    def stage(name, seconds=0.05, fail=False):
+        def run(*_, **__):
+            with lock:
+                running[0] += 1
+                events.append(("start", name, running[0]))
+            time.sleep(seconds)
+            with lock:
+                running[0] -= 1
+                events.append(("end", name, running[0]))
+            if fail:
+                raise RuntimeError(f"{name} broke")
+
+        return run
+
+    monkeypatch.setattr(driver, "needle_stage", stage("needles", 0.2))
+    monkeypatch.setattr(driver, "equality_stage", stage("equality", fail=True))
+    monkeypatch.setattr(driver, "accuracy_stage", stage("accuracy", 0.1))
+    monkeypatch.setattr(driver, "capture_stage", stage("captures"))
+    monkeypatch.setattr(driver, "engine_density_stage", stage("density"))
+    for name in ("offline_ttft_stage", "serve_bench_stage", "layer_time_stage"):
+        monkeypatch.setattr(driver, name, stage(name))
+    args = argparse.Namespace(accuracy_run=["--lengths 32768", "--lengths 65536"], check_workers=3, lengths=[8192],
+                              repeats=1)  # fmt: skip
+    results = {}
+    driver.qwen_phase(results, "0", args)
+
+    starts = [name for kind, name, _ in events if kind == "start"]
+    assert starts.count("accuracy") == 2 and "rope" not in " ".join(starts)
+    timed = ["offline_ttft_stage", "layer_time_stage", "serve_bench_stage"]
+    assert starts[-3:] == timed
+    first_timed = next(i for i, e in enumerate(events) if e[1] in timed)
+    assert all(e[1] not in timed for e in events[:first_timed]) and events[first_timed - 1][2] == 0
+    assert max(depth for kind, _, depth in events if kind == "start" and _ not in timed) == 3
+    assert all(depth == 1 for kind, name, depth in events if kind == "start" and name in timed)
+    assert "equality broke" in results["errors"]["qwen_equality"]
+    assert set(results["stage_seconds"]) >= {"qwen_needles", "qwen_accuracy_1", "qwen_accuracy_2", "qwen_layer_times"}
+    assert (tmp_path / "results-partial.json").is_file()

@@ -12,7 +12,7 @@ density is the one a model produces. Needs vLLM on the path (run it under the pa
 With ``--prefill`` every chunk of a whole chunked prefill is timed instead (chunk i: queries
 [i * chunk, (i + 1) * chunk) over keys [0, (i + 1) * chunk)) and the chunks summed: one layer's attention
 time in a prefill of that length, FA3 against ours (search and attention), the figure that explains a
-TTFT ratio.
+TTFT ratio; each chunk's own figures are in the row's ``chunks``.
 
   python scripts/e2e/bench_chunk.py --lengths 32768,65536,131072 --chunk 16384 --out chunk.json
   python scripts/e2e/bench_chunk.py --prefill --heads 12 --kv-heads 2 --head-dim 128 --estimators mixed \
@@ -103,6 +103,7 @@ def time_prefill(name: str, q_full, k, v, chunk: int, page_size: int, config, sc
     length = k.shape[0]
     totals = {"fa3_ms": 0.0, "select_ms": 0.0, "attention_ms": 0.0, "total_layout_ms": 0.0}
     kept = causal = 0
+    chunks = []
     for end in range(chunk, length + chunk, chunk):
         end = min(end, length)
         q, k_cache, v_cache, table, cu, seqlens = chunk_inputs(q_full[:end], k[:end], v[:end], end - (end - 1) // chunk * chunk, page_size)
@@ -120,17 +121,20 @@ def time_prefill(name: str, q_full, k, v, chunk: int, page_size: int, config, sc
         index = None if layout.all_dense else run_search()
         attend = lambda: attention.block_sparse_attention(*args, layout, index, scale, False, out)  # noqa: B023, E731
         whole = lambda: sparse_prefill_attention(*args, config=config, softmax_scale=scale, out=out, layout=layout)  # noqa: B023, E731
-        totals["fa3_ms"] += cuda_time(fa3, repeats)
-        totals["select_ms"] += 0.0 if index is None else cuda_time(run_search, repeats)
-        totals["attention_ms"] += cuda_time(attend, repeats)
-        totals["total_layout_ms"] += cuda_time(whole, repeats)
+        times = {"fa3_ms": cuda_time(fa3, repeats), "select_ms": 0.0 if index is None else cuda_time(run_search, repeats),
+                 "attention_ms": cuda_time(attend, repeats), "total_layout_ms": cuda_time(whole, repeats)}  # fmt: skip
+        for stage, ms in times.items():
+            totals[stage] += ms
         blocks = layout.causal_blocks() * k_cache.shape[2]
-        kept += blocks if index is None else int(index.counts.long().sum())
-        causal += blocks
+        kept_here = blocks if index is None else int(index.counts.long().sum())
+        kept, causal = kept + kept_here, causal + blocks
+        chunks.append({"queries": q.shape[0], "keys": end, "sparse": index is not None,
+                       "density": kept_here / max(blocks, 1), **times})  # fmt: skip
     row = {"input": name, "estimator": config.estimator, "length": length, "chunk": chunk, "heads": q_full.shape[1],
            "kv_heads": k.shape[1], "head_dim": q_full.shape[2], "density": kept / max(causal, 1), **totals}  # fmt: skip
     row["search_share_of_fa3"] = totals["select_ms"] / totals["fa3_ms"]
     row["speedup_vs_fa3"] = totals["fa3_ms"] / totals["total_layout_ms"]
+    row["chunks"] = chunks
     return row
 
 
@@ -186,6 +190,14 @@ def main() -> None:
     print("\n" + header + "\n" + "|---" * header.count(" | ") + "|---|")
     for r in rows:
         print(f"| {cells(r)} | {r['speedup_vs_fa3']:.2f}x |")
+    if args.prefill:
+        print("\n| input | length | chunk's queries x keys | sparse | density | FA3 ms | search ms | ours ms | vs FA3 |\n"
+              + "|---" * 9 + "|")  # fmt: skip
+        for r in rows:
+            for c in r["chunks"]:
+                print(f"| {r['input']} | {r['length']} | {c['queries']} x {c['keys']} | {c['sparse']} | {c['density']:.3f} "
+                      f"| {c['fa3_ms']:.2f} | {c['select_ms']:.2f} | {c['total_layout_ms']:.2f} "
+                      f"| {c['fa3_ms'] / c['total_layout_ms']:.2f}x |")  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: wait up to SECONDS for the run started by device-run.sh to finish, printing its log
-# as it grows, then copy the results (and the engine logs, packed) into $OUT.
+# as it grows, then copy the log, the partial results and an archive of everything else into $OUT.
 # Usage: bash scripts/e2e/device-wait.sh SECONDS
 set -uo pipefail
 deadline=$(( $(date +%s) + ${1:-500} ))
@@ -13,8 +13,10 @@ done
 [[ -f /tmp/e2e/done ]] && echo "== finished: $(cat /tmp/e2e/done)" || echo "== still running"
 sed -n "$((seen + 1)),\$p" /tmp/e2e/run.log 2>/dev/null | cut -c1-300
 if [[ -n "${OUT:-}" ]]; then
-  cp /tmp/e2e/out/* "$OUT"/ 2>/dev/null
+  # A call brings back at most 8 files: the log, the latest partial results, and one archive of the rest
+  # (results, benchmark and accuracy JSON, the bench's folder, the engine logs).
   cp /tmp/e2e/run.log "$OUT"/run.log 2>/dev/null
-  tar czf "$OUT"/engine-logs.tgz -C /tmp/e2e logs 2>/dev/null
+  cp /tmp/e2e/out/results-partial.json "$OUT"/ 2>/dev/null
+  tar czf "$OUT"/results.tgz -C /tmp/e2e out logs 2>/dev/null
 fi
 exit 0

@@ -22,6 +22,9 @@ Phases (--phases, comma separated):
            harness's transformers model, greedy tokens at threshold 0, needles at 32K / 64K / 128K (8
            depths each, default config), offline and served TTFT at --lengths, `prefill-accel bench`
            against the two servers, and per-layer attention time of whole prefills (bench_chunk.py).
+           The checks (nothing timed: rope, equality, needles, the engine's density, the captures and
+           the --accuracy-run harness runs) share the GPU, --check-workers at once; the timed stages
+           follow one at a time.
 Results: --out DIR/results.json (every number) and the tables printed at the end (markdown).
 """
 
@@ -54,6 +57,7 @@ from transformers import AutoTokenizer  # noqa: E402  (imported here: a lazy imp
 SITE = os.environ.get("E2E_SITE", "/tmp/site")
 PATCHED = os.environ.get("E2E_PATCHED", "/tmp/site-patched")
 MODELS = Path(os.environ.get("E2E_MODELS", "/tmp/hf"))
+GGUF_ONLY = os.environ.get("E2E_GGUF_PATH", "/tmp/bundle/gguf-only")  # the GGUF reader alone (unpack-stage.sh)
 LOGS = Path(os.environ.get("E2E_LOGS", "/tmp/e2e-logs"))
 KV_BYTES = 8 << 30
 GPU_UTIL = 0.12  # only the start-up free-memory check reads it: the KV cache size is fixed by KV_BYTES
@@ -399,34 +403,39 @@ def needle_stage(results: dict, gpus: str, model: str, lengths: list[int], depth
                  **flags) -> None:  # fmt: skip
     """Needle answers of upstream and patched (default config, with ``flags``), greedy, at each length on
     the engine that serves it: up to the model's training length natively, past it with the model's
-    documented long-context override (one engine pair each)."""
-    tok = tokenizer_for(model)
+    documented long-context override (one engine pair each). Nothing here is timed, so the pairs run side
+    by side and each pair's two sides generate at once."""
     native = MODEL_SPECS[model].max_length
-    rows = []
-    for max_len, group in ((native, [n for n in lengths if n <= native]), (long_len(model), [n for n in lengths if n > native])):
-        if not group:
-            continue
+    groups = [(max_len, group) for max_len, group in ((native, [n for n in lengths if n <= native]),
+                                                      (long_len(model), [n for n in lengths if n > native])) if group]
+
+    def run_group(max_len: int, group: list[int]) -> list[dict]:
+        tok = tokenizer_for(model)  # one per thread: a fast tokenizer is not safe to share while encoding
         base = dict(max_model_len=max_len, chunk=16384, eager=True)
         up, pa = pair(f"{model}-needle-{max_len}", gpus, engine_kwargs(model, **base),
                       engine_kwargs(model, **base, **sparse(**flags)))  # fmt: skip
+        rows = []
         try:
             for length in group:
                 prompts = build_prompts(tok, length, depths, seed=length)
                 ids = [p.input_ids for p in prompts]
-                answers = {}
-                for side, w in (("upstream", up), ("patched", pa)):
-                    tokens = w.call(op="generate", prompts=ids, max_tokens=12, timeout=1200)["tokens"]
-                    answers[side] = [parse_answer(tok.decode(t)) for t in tokens]
-                for p, a_up, a_pa in zip(prompts, answers["upstream"], answers["patched"]):
-                    rows.append({"length": length, "depth": p.depth, "value": p.value, "upstream": a_up, "patched": a_pa,
-                                 "max_model_len": max_len})  # fmt: skip
-                mine = rows[-len(prompts):]
+                with ThreadPoolExecutor(max_workers=2) as sides:
+                    tokens = list(sides.map(lambda w: w.call(op="generate", prompts=ids, max_tokens=12, timeout=1200)["tokens"],
+                                            (up, pa)))  # fmt: skip
+                answers = [[parse_answer(tok.decode(t)) for t in side] for side in tokens]
+                mine = [{"length": length, "depth": p.depth, "value": p.value, "upstream": a_up, "patched": a_pa,
+                         "max_model_len": max_len} for p, a_up, a_pa in zip(prompts, *answers)]  # fmt: skip
+                rows += mine
                 say(f"{model} needles {length}: upstream {sum(r['upstream'] == r['value'] for r in mine)}/{len(mine)}, "
                     f"patched {sum(r['patched'] == r['value'] for r in mine)}/{len(mine)}, "
                     f"same answer {sum(r['upstream'] == r['patched'] for r in mine)}/{len(mine)}")  # fmt: skip
         finally:
             up.close()
             pa.close()
+        return rows
+
+    with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+        rows = [row for part in pool.map(lambda g: run_group(*g), groups) for row in part]
     summary = {}
     for length in lengths:
         sel = [r for r in rows if r["length"] == length]
@@ -497,14 +506,17 @@ def run_stage(results: dict, name: str, stage) -> None:
         say(f"stage {name} skipped (--skip)")
         return
     t0 = time.monotonic()
+    error_text = None
     try:
         stage()
     except Exception as error:  # one failing stage must not lose the others' results
         say(f"stage {name} FAILED: {error}")
-        results.setdefault("errors", {})[name] = f"{error}\n{traceback.format_exc()[-3000:]}"
-    with RESULTS_LOCK:
+        error_text = f"{error}\n{traceback.format_exc()[-3000:]}"
+    with RESULTS_LOCK:  # stages of one group run in threads: the dump reads a copy taken under the lock
+        if error_text is not None:
+            results.setdefault("errors", {})[name] = error_text
         results.setdefault("stage_seconds", {})[name] = round(time.monotonic() - t0, 1)
-        (OUT_DIR / "results-partial.json").write_text(json.dumps(results, indent=1, default=str))
+        (OUT_DIR / "results-partial.json").write_text(json.dumps(dict(results), indent=1, default=str))
 
 
 # --------------------------------------------------------------------------------------------- serve
@@ -766,31 +778,65 @@ def run_bench(up: Server, pa: Server, model: str, args) -> dict:
             "results": json.loads(report.read_text()) if report.is_file() else None}  # fmt: skip
 
 
+def harness_env(gpus: str) -> dict[str, str]:
+    """The accuracy harness's environment: the checkout's runtime package and the GGUF reader alone
+    (scripts/e2e/unpack-stage.sh), under the GPU image's transformers, not vLLM's site."""
+    return {**side_env("patched", gpus), "PYTHONPATH": f"{GGUF_ONLY}:{ROOT / 'kernels'}"}
+
+
+def staged_gguf(model: str) -> Path:
+    spec = MODEL_SPECS[model]
+    return Path(os.environ.get("PREFILL_ACCEL_CACHE", "/tmp/bundle/cache")) / "models" / model / spec.gguf_name
+
+
+def harness(name: str, gpus: str, model: str, args: list[str], timeout: float = 1500) -> str:
+    """``python -m prefill_accel.accuracy --gguf <model> --device cuda ARGS`` with its log in LOGS/name.log;
+    its standard output, or EngineError with the log's tail."""
+    log = LOGS / f"{name}.log"
+    command = [sys.executable, "-m", "prefill_accel.accuracy", "--gguf", str(staged_gguf(model)), "--device", "cuda", *args]
+    proc = subprocess.run(command, env=harness_env(gpus), capture_output=True, text=True, timeout=timeout)
+    log.write_text(" ".join(command) + "\n" + proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise EngineError(f"{name} failed; log tail:\n{log_tail(log)}")
+    return proc.stdout
+
+
+def capture_dir() -> Path:
+    return OUT_DIR.parent / "captures"
+
+
+def capture_stage(gpus: str, model: str, args) -> None:
+    """The model's own q/k/v of layers --capture-layers, at its training length natively and at the longest
+    length with its long-context rope scaling (the accuracy harness's --capture), for layer_time_stage."""
+    spec = MODEL_SPECS[model]
+    capture_dir().mkdir(parents=True, exist_ok=True)
+    for length in (spec.max_length, prompt_len(model, max(args.lengths))):
+        rope = ["--rope-scaling", str(spec.long_context)] if spec.long_context and length > spec.max_length else []
+        harness(f"capture-{model}-{length}", gpus, model,
+                ["--lengths", str(length), "--layers", args.capture_layers, "--capture", str(capture_dir()), *rope])  # fmt: skip
+
+
+def accuracy_stage(results: dict, gpus: str, model: str, run: int, run_args: str) -> None:
+    """One accuracy-harness run (--accuracy-run): its JSON in OUT_DIR/accuracy-<model>-<run>.json, its
+    printed tables in the results and the log."""
+    out = OUT_DIR / f"accuracy-{model}-{run}.json"
+    text = harness(f"accuracy-{model}-{run}", gpus, model, [*shlex.split(run_args), "--out", str(out)], timeout=2400)
+    with RESULTS_LOCK:
+        results.setdefault(f"{model}_accuracy", {})[run] = {"args": run_args, "table": text, "json": out.name}
+    say(f"{model} accuracy run {run} ({run_args}):\n{text}")
+
+
 def layer_time_stage(results: dict, gpus: str, model: str, args) -> None:
     """Per-layer attention time of whole prefills, ours against vLLM's FA3, and the search's share
     (scripts/e2e/bench_chunk.py --prefill), at the model's shape on structured inputs and on the
-    model's own q/k/v captured by the accuracy harness (layers --capture-layers, at 32K natively and at
-    the longest length with the long-context rope scaling)."""
-    spec = MODEL_SPECS[model]
-    gguf = Path(os.environ.get("PREFILL_ACCEL_CACHE", "/tmp/bundle/cache")) / "models" / model / spec.gguf_name
-    captures = OUT_DIR.parent / "captures"
-    captures.mkdir(parents=True, exist_ok=True)
-    env = {**side_env("patched", gpus), "PYTHONPATH": str(ROOT / "kernels")}
-    for length, rope in ((spec.max_length, None), (prompt_len(model, max(args.lengths)), spec.long_context)):
-        command = [sys.executable, "-m", "prefill_accel.accuracy", "--gguf", str(gguf), "--device", "cuda",
-                   "--lengths", str(length), "--layers", args.capture_layers, "--capture", str(captures)]
-        if rope is not None and length > spec.max_length:
-            command += ["--rope-scaling", str(rope)]
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
-        (LOGS / f"capture-{model}-{length}.log").write_text(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            raise EngineError(f"capture at {length} failed; log tail:\n{log_tail(LOGS / f'capture-{model}-{length}.log')}")
+    model's own q/k/v from capture_stage."""
     out, log = OUT_DIR / f"layers-{model}.json", LOGS / f"bench-chunk-{model}.log"
     heads, kv_heads, head_dim = args.model_shape.split("/")
     command = [sys.executable, str(ROOT / "scripts" / "e2e" / "bench_chunk.py"), "--prefill", "--chunk", "16384",
                "--lengths", ",".join(str(prompt_len(model, n)) for n in args.lengths if n >= 16384),
                "--heads", heads, "--kv-heads", kv_heads, "--head-dim", head_dim, "--estimators", "mixed",
-               "--real", *map(str, sorted(captures.glob(f"{Path(gguf).stem}_L*_layer*.pt"))), "--out", str(out)]  # fmt: skip
+               "--real", *map(str, sorted(capture_dir().glob(f"{staged_gguf(model).stem}_L*_layer*.pt"))),
+               "--out", str(out)]  # fmt: skip
     proc = subprocess.run(command, env=side_env("patched", gpus), capture_output=True, text=True, timeout=1800)
     log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
@@ -800,16 +846,27 @@ def layer_time_stage(results: dict, gpus: str, model: str, args) -> None:
 
 
 def qwen_phase(results: dict, gpus: str, args) -> None:
+    """The checks first, side by side on the GPU (they time nothing: rope, greedy equality, needles, the
+    engine's density per chunk, the captures and the accuracy runs; at most --check-workers at once), then
+    the timed stages one at a time on an otherwise idle GPU."""
     lengths = [32768 - 32, 65536, 131072 - 64]  # the longest leave room for the answer under YaRN's 128K
-    for name, stage in (
-        ("qwen_rope_check", lambda: rope_check_stage(results, gpus, QWEN)),
-        ("qwen_equality", lambda: equality_stage(results, gpus, QWEN, 1, "qwen")),
+    checks = [
         ("qwen_needles", lambda: needle_stage(results, gpus, QWEN, lengths, NEEDLE_DEPTHS, "qwen_needles")),
+        ("qwen_equality", lambda: equality_stage(results, gpus, QWEN, 1, "qwen")),
+        *[(f"qwen_accuracy_{n}", lambda n=n, a=a: accuracy_stage(results, gpus, QWEN, n, a))
+          for n, a in enumerate(args.accuracy_run, 1)],
+        ("qwen_captures", lambda: capture_stage(gpus, QWEN, args)),
+        ("qwen_engine_density", lambda: engine_density_stage(results, gpus, QWEN, "qwen_engine_density")),
+        ("qwen_rope_check", lambda: rope_check_stage(results, gpus, QWEN)),
+    ]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=args.check_workers) as pool:
+        for job in [pool.submit(run_stage, results, name, stage) for name, stage in checks]:
+            job.result()
+    for name, stage in (
         ("qwen_offline_ttft", lambda: offline_ttft_stage(results, gpus, QWEN, args.lengths, args.repeats,
                                                          "qwen_offline_ttft")),
-        ("qwen_engine_density", lambda: engine_density_stage(results, gpus, QWEN, "qwen_engine_density")),
-        ("qwen_serve", lambda: serve_bench_stage(results, gpus, QWEN, args)),
         ("qwen_layer_times", lambda: layer_time_stage(results, gpus, QWEN, args)),
+        ("qwen_serve", lambda: serve_bench_stage(results, gpus, QWEN, args)),
     ):  # fmt: skip
         run_stage(results, name, stage)
 
@@ -851,7 +908,8 @@ def engine_density_stage(results: dict, gpus: str, model: str, key: str) -> None
     lines = [line.split("sparse prefill: ", 1)[1] for line in worker.log.read_text().splitlines()
              if "sparse prefill: " in line]  # fmt: skip
     results[key] = {"model": model, "lines": lines,
-                    "note": f"per chunk of 16384 queries, {layers} layers each; 16K prompt, 32K, then 128K"}  # fmt: skip
+                    "note": f"per chunk of 16384 queries, {layers} layers each; 16K prompt, 32K, then 128K; in the "
+                    "qwen phase it runs beside the other checks, so its milliseconds are not the kernels' own"}  # fmt: skip
     say(f"{model} engine density:\n" + "\n".join(lines))
 
 
@@ -945,9 +1003,13 @@ def main() -> None:
                         "defaults, so their effect shows apart from the scheduler flags")
     parser.add_argument("--skip", default="", help="comma-separated stage names to leave out (smol_equality, "
                         "gemma_needles, offline_ttft, serve_ttft, mixed_load, chunk_bench, engine_density, "
-                        "tp2_equality, tp2_ttft, qwen_rope_check, qwen_equality, qwen_needles, qwen_offline_ttft, "
-                        "qwen_engine_density, qwen_serve, qwen_layer_times)")  # fmt: skip
+                        "tp2_equality, tp2_ttft, qwen_rope_check, qwen_equality, qwen_needles, qwen_accuracy_N, qwen_captures, "
+                        "qwen_engine_density, qwen_offline_ttft, qwen_serve, qwen_layer_times)")  # fmt: skip
     parser.add_argument("--capture-layers", default="7,21", help="layers of the qwen phase's captured q/k/v")
+    parser.add_argument("--accuracy-run", action="append", default=[], metavar="ARGS",
+                        help="arguments of one accuracy-harness run on the qwen model among the qwen phase's checks "
+                        "(repeatable; each its own process and JSON), e.g. '--lengths 32768 --thresholds 0.004,0.008'")
+    parser.add_argument("--check-workers", type=int, default=4, help="qwen phase checks run at once on the GPU")
     parser.add_argument("--model-shape", default="12/2/128", help="query heads / KV heads / head_dim of the qwen "
                         "phase's structured per-layer timing")  # fmt: skip
     parser.add_argument("--sparse-flag", type=parse_sparse_flag, action="append", default=[], metavar="NAME=VALUE",

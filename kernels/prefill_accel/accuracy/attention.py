@@ -63,6 +63,10 @@ class AttentionRun:
     kept_blocks: int = 0
     causal_blocks: int = 0
     captured: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    masses: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
+    """Block attention masses by (length, layer, block size), kept across the compare forwards of a
+    sweep: a compare forward runs the dense model's activations, so a layer's mass at a length does
+    not depend on the configuration, and at 128K computing it costs more than the rest of a forward."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("dense", "sparse", "compare", "capture"):
@@ -172,7 +176,10 @@ def prefill_accel_attention(module, query, key, value, attention_mask, scaling=N
     dense_out, _ = _sdpa(module, query, key, value, attention_mask, **kwargs)
     record = LayerRecord(layer=layer, density=index.density(), rel_err=relative_error(sparse_out, dense_out[0]))
     if layer in run.analysis_layers:
-        mass = block_attention_mass(q, k, run.config.block_size, scale)
+        key = (q.shape[0], layer, run.config.block_size)
+        mass = run.masses.get(key)
+        if mass is None:
+            mass = run.masses[key] = block_attention_mass(q, k, run.config.block_size, scale)
         quality = selection_quality(mass, index.to_mask())
         record.recall = quality["recall"]
         record.oracle_density = quality["oracle_density"]

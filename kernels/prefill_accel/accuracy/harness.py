@@ -124,6 +124,7 @@ class Harness:
     text: str | None = None
     seed: int = 0
     _cache: dict = field(default_factory=dict)
+    _masses: dict = field(default_factory=dict)
 
     @classmethod
     def load(cls, model_name=None, gguf=None, device="cpu", dtype=torch.float32, cache_dir=None, rope_scaling=None,
@@ -162,7 +163,7 @@ class Harness:
         started = time.perf_counter()
         ids, dense_hidden, prompts, dense_needles = self._dense(length)
         analysis = self.sparse_layers if self.analysis_layers is None else self.analysis_layers
-        compare = self._run("compare", config, analysis_layers=frozenset(analysis))
+        compare = self._run("compare", config, analysis_layers=frozenset(analysis), masses=self._masses)
         with use(compare):
             final_hidden(self.model, ids)
         sparse = self._run("sparse", config)
