@@ -85,41 +85,45 @@ def test_a_bad_value_fails_the_startup_check_naming_its_flag():
 
 
 def test_a_schedule_that_cannot_reach_the_minimum_work_is_said_once_naming_the_setting(caplog):
-    settings = settings_from_flags({"min_len": 16384})
+    settings = settings_from_flags({})  # --sparse-prefill-min-len 24576
     budget = ChunkLimit("--max-num-batched-tokens", 8192)
     model = ChunkLimit("--max-model-len", 131072, fix="a longer --max-model-len")
     assert inert_reason(settings, [ChunkLimit("--max-num-batched-tokens", 16384), model], 131072) is None
     assert inert_reason(settings, [], 131072) is None
-    # Chunks of 4096 reach a fresh 16K prompt's work from a context of 34816 tokens: within 128K, not 32K.
-    cap = ChunkLimit("--long-prefill-token-threshold", 4096)
+    # Chunks of 2048 bring half a 24K prompt's work from a context of 37888 tokens: within 128K, not 32K.
+    cap = ChunkLimit("--long-prefill-token-threshold", 2048)
     assert inert_reason(settings, [budget, model, cap], 131072) is None
     assert inert_reason(settings, [budget, model, cap], None) is None  # the context unbounded
     # The tightest limit binds and is the one named, with the fix in the engine's words.
     assert inert_reason(settings, [budget, model, cap], 32768) == (
-        "--long-prefill-token-threshold caps a prefill chunk at 4096 tokens, which reaches the work of a fresh "
-        "--sparse-prefill-min-len=16384 prompt only at a context of 34816 tokens, beyond the 32768 the engine "
-        "holds; set --long-prefill-token-threshold 16384 (or lower --sparse-prefill-min-len) for long prompts to "
-        "take the sparse path")  # fmt: skip
-    short_model = ChunkLimit("--max-model-len", 8192, "a longer --max-model-len")
-    assert "set a longer --max-model-len" in inert_reason(settings, [short_model], 8192)
+        "--long-prefill-token-threshold caps a prefill chunk at 2048 tokens, which takes the sparse path under "
+        "--sparse-prefill-min-len=24576 only from a context of 37888 tokens, beyond the 32768 the engine holds; set "
+        "--long-prefill-token-threshold 24576 (or lower --sparse-prefill-min-len) for long prompts to take the "
+        "sparse path")  # fmt: skip
+    # Within the minimum length itself nothing goes sparse, whatever the chunk.
+    short_model = ChunkLimit("--max-model-len", 16384, "a longer --max-model-len")
+    assert "from a context of 24576 tokens, beyond the 16384" in inert_reason(settings, [short_model], 16384)
+    assert "set a longer --max-model-len" in inert_reason(settings, [short_model], 16384)
     tiny = ChunkLimit("--max-num-batched-tokens", 64)  # below a block: never sparse, at any context
-    assert "caps a prefill chunk at 64 tokens, below --sparse-prefill-min-len=16384" in inert_reason(settings, [tiny])
-    off = ChunkLimit("chunked prefill off", 0, fix="--enable-chunked-prefill --max-num-batched-tokens 16384")
+    assert "caps a prefill chunk at 64 tokens, below --sparse-prefill-min-len=24576" in inert_reason(settings, [tiny])
+    off = ChunkLimit("chunked prefill off", 0, fix="--enable-chunked-prefill --max-num-batched-tokens 24576")
     assert inert_reason(settings, [off]).startswith("chunked prefill off admits no prefill chunk to it")
     logger = logging.getLogger("startup-test")
     with caplog.at_level(logging.INFO, logger="startup-test"):
         assert check_schedule(None, [budget], FACTS, logger) is None  # without the backend: nothing to say
         assert check_schedule(settings, [ChunkLimit("--max-num-batched-tokens", 32768)], FACTS, logger) is None
-        assert caplog.records == []
-        reason = check_schedule(settings, [budget, short_model], FACTS, logger, max_context=8192)
+        # Chunks of 8192 go sparse from the minimum context itself: nothing late to say either.
         assert check_schedule(settings, [budget, model], FACTS, logger, max_context=131072) is None
+        assert caplog.records == []
+        reason = check_schedule(settings, [budget, short_model], FACTS, logger, max_context=16384)
+        assert check_schedule(settings, [cap, model], FACTS, logger, max_context=131072) is None
     warning, late = caplog.records
     assert warning.levelname == "WARNING" and reason in warning.getMessage()
     assert warning.getMessage().startswith("SPARSE_PREFILL never runs: --max-num-batched-tokens caps a prefill chunk at 8192")
     assert warning.getMessage().endswith("every prefill uses FlashAttention")
     assert late.levelname == "INFO" and late.getMessage() == (
-        "SPARSE_PREFILL: --max-num-batched-tokens caps a prefill chunk at 8192 tokens, below "
-        "--sparse-prefill-min-len=16384: a chunk takes the sparse path from a context of 20480 tokens")  # fmt: skip
+        "SPARSE_PREFILL: --long-prefill-token-threshold caps a prefill chunk at 2048 tokens, below "
+        "--sparse-prefill-min-len=24576: a chunk takes the sparse path from a context of 37888 tokens")  # fmt: skip
 
 
 def test_the_package_declares_the_triton_the_kernels_need():
@@ -171,14 +175,17 @@ def test_the_warm_up_runs_each_path_a_server_meets_once(monkeypatch, caplog):
     from prefill_accel.engine import warmup
     from prefill_accel.ops import launch, search
 
-    default = SparsePrefillConfig()
+    default = SparsePrefillConfig()  # min_q_len 24576
     tma = launch.TMA_SPARSE_MIN_KEYS
-    # Sparse at the first chunk and with bulk K/V reads; dense: a token after a chunk, a fresh block.
-    assert warmup.warmup_cases(16384, default, 12, 131072) == [(16384, 16384), (16384, tma), (1, 16385), (128, 128)]
-    assert warmup.warmup_cases(65536, default, 12) == [(65536, 65536), (21632, 21632), (21632, tma), (1, 65537),
-                                                       (128, 128)]  # fmt: skip
-    # Chunks below the minimum length go sparse after a long enough prefix: 20480 keys for 8192 queries.
-    assert warmup.warmup_cases(8192, default, 12, 131072)[:2] == [(8192, 20480), (8192, tma)]
+    # Sparse at the minimum context and with bulk K/V reads; dense: a token after a chunk, the first chunk
+    # of a prompt (below the minimum context), a fresh block.
+    assert warmup.warmup_cases(16384, default, 12, 131072) == [(16384, 24576), (16384, tma), (1, 16385), (16384, 16385),
+                                                               (128, 128)]  # fmt: skip
+    assert warmup.warmup_cases(65536, default, 12) == [(65536, 65536), (21632, 24576), (21632, tma), (1, 65537),
+                                                       (21632, 21633), (128, 128)]  # fmt: skip
+    # Chunks below the minimum length go sparse from the minimum context too, shorter ones later.
+    assert warmup.warmup_cases(8192, default, 12, 131072)[:2] == [(8192, 24576), (8192, tma)]
+    assert warmup.warmup_cases(2048, default, 12, 131072)[0] == (2048, 37888)
     assert warmup.warmup_cases(8192, default, 12, 16384) == []  # never sparse within the model length
     # 32 heads: a 16K chunk tunes in the second size class, chunks up to 63 blocks in the first.
     cases = warmup.warmup_cases(16384, default, 32, 131072)
@@ -248,17 +255,24 @@ def test_a_layer_stays_dense_for_the_first_reason_that_applies():
     assert dense_reason(plain, None).startswith("no settings")
 
 
-def test_a_chunk_is_long_by_its_attention_work():
-    """Sparse from a fresh min_q_len prompt's work, q * k - q**2 / 2 query-key pairs: a fresh prompt from
-    min_q_len tokens, a chunk after a prefix from fewer; a chunk shorter than a block (a decode) never."""
-    config = SparsePrefillConfig()  # min_q_len 16384, blocks of 128
-    assert config.long_chunk(16384) and not config.long_chunk(16383)
-    assert not config.long_chunk(16383, 16384) and config.long_chunk(16383, 16385) and config.long_chunk(16320, 131008)  # the last chunk of a 128K prompt
-    assert not config.long_chunk(4096, 34815) and config.long_chunk(4096, 34816)
+def test_a_chunk_is_long_by_its_context_and_its_attention_work():
+    """Sparse once the context holds min_q_len keys and the chunk brings a fresh min_q_len / 2 prompt's
+    work, q * k - q**2 / 2 query-key pairs: a fresh prompt from min_q_len tokens, every chunk of a longer
+    prompt from that context on down to a few thousand queries, fewer at longer contexts; a prompt's
+    first chunk below the minimum context never, nor a chunk shorter than a block (a decode)."""
+    config = SparsePrefillConfig()  # min_q_len 24576, blocks of 128
+    assert config.long_chunk(24576) and not config.long_chunk(24575)
+    assert not config.long_chunk(16384) and not config.long_chunk(16384, 24575)  # a 16K prompt, a first chunk
+    assert config.long_chunk(16384, 24576) and config.long_chunk(8192, 24576) and config.long_chunk(16320, 131008)
+    # Half a 24K prompt's work, 75.5M pairs: 2048 queries from 37888 keys, 512 from 147712.
+    assert not config.long_chunk(2048, 37887) and config.long_chunk(2048, 37888)
+    assert config.sparse_from(512) == 147712 and not config.long_chunk(512, 131072)
     assert not config.long_chunk(127, 10**9) and config.long_chunk(128, 10**9)
-    for q_len in (128, 1000, 4096, 16320, 16384, 40000):
+    for q_len in (128, 1000, 2048, 4096, 16320, 16384, 40000):
         k_len = config.sparse_from(q_len)
         assert config.long_chunk(q_len, k_len) and (k_len == q_len or not config.long_chunk(q_len, k_len - 1))
+        assert k_len >= max(q_len, config.min_q_len)
+        assert 8 * (q_len * k_len) - 4 * q_len * q_len >= config.min_q_len**2  # the work, in integers
     assert config.sparse_from(127) is None and config.sparse_from(0) is None
     every = config.replace(min_q_len=0)  # everything sparse, as the kernel tests run it
     assert every.long_chunk(1) and every.sparse_from(1) == 1

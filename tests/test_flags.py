@@ -16,7 +16,7 @@ def test_every_kernel_setting_has_a_flag():
 def test_defaults_are_the_kernels():
     settings = settings_from_flags({})
     assert settings.kernel == SparsePrefillConfig() and settings.dense_layers == 0
-    assert "--sparse-prefill-min-len=16384" in settings.describe()
+    assert "--sparse-prefill-min-len=24576" in settings.describe()
 
 
 @pytest.mark.parametrize("values, named", [

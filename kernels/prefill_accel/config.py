@@ -38,9 +38,10 @@ class SparsePrefillConfig:
     """Key blocks just before the diagonal block that every query block keeps (local window)."""
     last_query_blocks: int = 1
     """The last query blocks of each sequence are computed dense (they shape the first output token)."""
-    min_q_len: int = 16384
-    """Sequences whose attention work in this step is below a fresh prompt of this many tokens are
-    computed dense (see long_chunk: a chunk after a long prefix takes the sparse path from fewer queries)."""
+    min_q_len: int = 24576
+    """A sequence's step takes the sparse path once its context holds this many tokens and its queries
+    bring at least the attention work of a fresh prompt half as long (see long_chunk); other steps are
+    computed dense."""
     query_stride: int = 8
     """The pooled, bound and mixed estimates score every ``query_stride``-th query row of a block (1 scores all rows)."""
     estimator: str = "mixed"
@@ -97,22 +98,28 @@ class SparsePrefillConfig:
         """Whether a sequence with ``q_len`` queries in a step, over ``k_len`` keys in all (its
         context, these queries included; ``q_len`` when None, a fresh prompt), takes the sparse path.
 
-        It does when its causal attention work, ``q_len * k_len - q_len**2 / 2`` query-key pairs, is
-        at least a fresh ``min_q_len`` prompt's: a fresh prompt from ``min_q_len`` tokens, a chunk
-        after a long prefix from fewer (the last, shorter chunk of a long prompt). A chunk shorter
-        than a block (a decode step) stays dense unless ``min_q_len`` is shorter still. Every router
-        (the engines' batch splits, the block layout, the dense route of the public function) asks
-        this one question."""
+        It does when its context holds at least ``min_q_len`` keys, where attention is sparse enough
+        for the search to pay, and its causal attention work, ``q_len * k_len - q_len**2 / 2``
+        query-key pairs, is at least a fresh prompt of ``min_q_len / 2`` tokens', which pays for the
+        search's fixed cost. So a fresh prompt goes sparse from ``min_q_len`` tokens, and so does
+        every chunk of a longer prompt from that context on (down to a few thousand queries there, fewer at
+        longer contexts); the first chunks before it stay dense (on Qwen2.5-Coder-1.5B a 16K context kept 44-70% of its blocks and
+        ran at 0.61x-0.84x of FlashAttention's speed, a 32K one 24-36% at 1.38x-1.82x:
+        docs/e2e-vllm.md, run 13). A chunk shorter than a block (a decode step) stays dense unless
+        ``min_q_len`` is shorter still. Every router (the engines' batch splits, the block layout,
+        the dense route of the public function) asks this one question."""
         start = self.sparse_from(q_len)
         return start is not None and (q_len if k_len is None else k_len) >= start
 
     def sparse_from(self, q_len: int) -> int | None:
         """The shortest context (keys, these queries included) at which a chunk of ``q_len``
-        queries takes the sparse path (see long_chunk): the least k with q*k - q**2/2 >= min_q_len**2/2;
-        None where none does (no queries, or fewer than a block and than min_q_len)."""
+        queries takes the sparse path (see long_chunk): the least k >= max(q, min_q_len) with
+        q*k - q**2/2 >= (min_q_len/2)**2/2; None where none does (no queries, or fewer than a block
+        and than min_q_len)."""
         if q_len <= 0 or q_len < min(self.min_q_len, self.block_size):
             return None
-        return max(q_len, -(-(self.min_q_len * self.min_q_len + q_len * q_len) // (2 * q_len)))
+        work = -(-(self.min_q_len * self.min_q_len + 4 * q_len * q_len) // (8 * q_len))
+        return max(q_len, self.min_q_len, work)
 
     @property
     def is_dense(self) -> bool:

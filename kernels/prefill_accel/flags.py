@@ -30,9 +30,10 @@ HELP = {
                  "query block, in [0, 1]; 0 keeps every causal block (exact dense attention)",
     "target_mass": "above 0, a query block also keeps its highest-estimate key blocks until they hold this share "
                    "of its estimated attention (a mass-targeted cut); 0 disables it",
-    "min_len": "a prefill chunk whose attention work in a step is at least a fresh prompt of this many tokens "
-               "uses block-sparse attention (a fresh prompt of this length, a shorter chunk after a long "
-               "prefix), other chunks dense attention, decodes {dense}; at least --sparse-prefill-block-size",
+    "min_len": "a prefill chunk uses block-sparse attention once its sequence holds this many tokens and the "
+               "chunk brings at least the attention work of a fresh prompt half as long (a fresh prompt of this "
+               "length, every chunk of a longer one from that context on); other chunks dense attention, decodes "
+               "{dense}; at least --sparse-prefill-block-size",
     "dense_layers": "the first N attention layers always use {dense}",
     "block_size": "positions per query block and key block of the block-sparse search (64, 128 or 256)",
     "sink_blocks": "key blocks at the start of the sequence that every query block keeps (attention sinks)",

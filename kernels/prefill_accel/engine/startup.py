@@ -122,20 +122,20 @@ def inert_reason(settings: SparsePrefillSettings, limits: list[ChunkLimit], max_
     elif reach is None:
         held = f"caps a prefill chunk at {binding.tokens} tokens, below {flag('min_len')}={minimum}"
     else:
-        held = (f"caps a prefill chunk at {binding.tokens} tokens, which reaches the work of a fresh "
-                f"{flag('min_len')}={minimum} prompt only at a context of {reach} tokens, beyond the {max_context} "
+        held = (f"caps a prefill chunk at {binding.tokens} tokens, which takes the sparse path under "
+                f"{flag('min_len')}={minimum} only from a context of {reach} tokens, beyond the {max_context} "
                 "the engine holds")  # fmt: skip
     return f"{binding.setting} {held}; set {fix} (or lower {flag('min_len')}) for long prompts to take the sparse path"
 
 
 def late_start(settings: SparsePrefillSettings, limits: list[ChunkLimit]) -> str | None:
-    """Where the binding limit keeps chunks below the minimum length but a long enough context still
-    takes them sparse: from which context, said as the startup line says it; else None."""
+    """Where the binding limit keeps chunks so short that they take the sparse path only from a context
+    longer than the minimum length: from which context, said as the startup line says it; else None."""
     binding = binding_limit(limits)
     if binding is None or binding.tokens >= settings.kernel.min_q_len:
         return None
     reach = settings.kernel.sparse_from(binding.tokens)
-    if reach is None:
+    if reach is None or reach <= settings.kernel.min_q_len:
         return None
     return (f"{binding.setting} caps a prefill chunk at {binding.tokens} tokens, below {flag('min_len')}="
             f"{settings.kernel.min_q_len}: a chunk takes the sparse path from a context of {reach} tokens")

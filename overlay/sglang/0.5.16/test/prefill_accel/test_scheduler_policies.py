@@ -9,6 +9,7 @@ and the scheduler never holds a prefill back.
 
 import argparse
 import logging
+import re
 from array import array
 from types import SimpleNamespace
 
@@ -69,12 +70,17 @@ def test_flags_parse_into_server_args():
     assert (args.max_consecutive_prefill_batches, args.schedule_policy, args.prefill_aging_s) == (3, "srpf", 12.5)
 
 
+def one_line(text: str) -> str:
+    """Help text as one line: argparse wraps it at spaces and after hyphens (``block-`` / ``sparse``)."""
+    return re.sub(r"-\s+", "-", " ".join(text.split()))
+
+
 def test_the_sparse_prefill_flags_help_is_the_runtimes():
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    help_text = " ".join(parser.format_help().split())
+    help_text = one_line(parser.format_help())
     for suffix in SUFFIXES:
-        assert " ".join(FACTS.help(suffix).split()) in help_text, suffix
+        assert one_line(FACTS.help(suffix)) in help_text, suffix
 
 
 def test_sparse_prefill_defaults_are_the_kernels():
@@ -103,29 +109,30 @@ def test_sparse_prefill_flags_without_the_backend_draw_a_warning(caplog):
 
 
 def test_a_chunk_size_below_the_minimum_length_is_said_at_startup(caplog):
-    """The resolved --chunked-prefill-size (8192 on an H200) below --sparse-prefill-min-len delays the
-    backend to contexts where a chunk has a fresh 16K prompt's work (20480 tokens): one INFO line;
-    within a context length shorter than that it is inert: one warning naming it. Parsed args of a
-    dummy model stop before the defaults are resolved, so the check is called here as __post_init__
-    calls it last."""
+    """The resolved --chunked-prefill-size against --sparse-prefill-min-len (24576): chunks of 8192 (an
+    H200's default) go sparse from that context on, silently; chunks of 2048 bring the work needed only
+    from a context of 37888 tokens: one INFO line; within a context length shorter than where a chunk goes
+    sparse the backend is inert: one warning naming the setting. Parsed args of a dummy model stop before
+    the defaults are resolved, so the check is called here as __post_init__ calls it last."""
     logger = logging.getLogger("sglang-schedule-test")
     args = server_args("--prefill-attention-backend", "sparse_prefill", "--attention-backend", "triton")
     with caplog.at_level(logging.INFO, logger="sglang-schedule-test"):
-        for size, context, warned in ((8192, None, False), (8192, 16384, True), (16384, 16384, False), (-1, None, False)):
+        for size, context, warned in ((8192, None, False), (2048, None, False), (8192, 16384, True),
+                                      (24576, 24576, False), (-1, None, False)):  # fmt: skip
             args.chunked_prefill_size, args.context_length = size, context
             reason = check_sparse_prefill_schedule(args, logger)
             assert (reason is not None) == warned, (size, context)
         args.prefill_attention_backend = None
-        args.chunked_prefill_size = 8192
+        args.chunked_prefill_size = 2048
         assert check_sparse_prefill_schedule(args, logger) is None
     late, warning = caplog.records
     assert late.levelname == "INFO" and late.getMessage() == (
-        "sparse_prefill: --chunked-prefill-size caps a prefill chunk at 8192 tokens, below --sparse-prefill-min-len="
-        "16384: a chunk takes the sparse path from a context of 20480 tokens")  # fmt: skip
+        "sparse_prefill: --chunked-prefill-size caps a prefill chunk at 2048 tokens, below --sparse-prefill-min-len="
+        "24576: a chunk takes the sparse path from a context of 37888 tokens")  # fmt: skip
     assert warning.levelname == "WARNING" and warning.getMessage().startswith(
-        "sparse_prefill never runs: --chunked-prefill-size caps a prefill chunk at 8192 tokens, which reaches the "
-        "work of a fresh --sparse-prefill-min-len=16384 prompt only at a context of 20480 tokens, beyond the 16384 "
-        "the engine holds; set --chunked-prefill-size 16384")  # fmt: skip
+        "sparse_prefill never runs: --chunked-prefill-size caps a prefill chunk at 8192 tokens, which takes the "
+        "sparse path under --sparse-prefill-min-len=24576 only from a context of 24576 tokens, beyond the 16384 "
+        "the engine holds; set --chunked-prefill-size 24576")  # fmt: skip
 
 
 def test_srpf_orders_the_queue_by_remaining_prefill(clock):

@@ -366,11 +366,11 @@ FLAG_CASES = {
     "given": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-threshold", "0.01", "--sparse-prefill-min-len",
               "4096", "--sparse-prefill-dense-layers", "2", "--sparse-prefill-mean-correction",
               "--sparse-prefill-estimator", "exact", "--sparse-prefill-exact-rows", "2", "--max-num-batched-tokens", "4096"],
-    # Schedules whose chunks reach the minimum work at no context the tiny model holds (4096 tokens): chunks
-    # of 512 would reach a fresh 2048-token prompt's work at 4352.
-    "inert_budget": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-min-len", "2048",
+    # Schedules whose chunks take the sparse path at no context the tiny model holds (4096 tokens): chunks
+    # of 512 bring half a 4096-token prompt's work from a context of 4352.
+    "inert_budget": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-min-len", "4096",
                      "--max-num-batched-tokens", "512"],
-    "inert_long_chunks": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-min-len", "2048",
+    "inert_long_chunks": ["--attention-backend", "SPARSE_PREFILL", "--sparse-prefill-min-len", "4096",
                           "--max-num-batched-tokens", "4096", "--max-num-partial-prefills", "2"],
     "inert_model_len": ["--attention-backend", "SPARSE_PREFILL", "--max-num-batched-tokens", "16384"],
     "defaults": ["--attention-backend", "SPARSE_PREFILL"],
@@ -461,7 +461,7 @@ def test_a_schedule_that_leaves_the_backend_inert_is_said_at_startup(flag_result
     result = flag_results[case]
     assert "error" not in result, result.get("error")
     [warning] = [message for level, message in result["log"] if level == "WARNING"]
-    assert warning.startswith(f"SPARSE_PREFILL never runs: {named}, which reaches the work of a fresh "
+    assert warning.startswith(f"SPARSE_PREFILL never runs: {named}, which takes the sparse path under "
                               "--sparse-prefill-min-len="), warning  # fmt: skip
     assert "beyond the 4096 the engine holds" in warning
     assert warning.endswith("every prefill uses FlashAttention")

@@ -11,6 +11,7 @@ short prefill (FlashAttention) and two decodes (FlashAttention with the KV cache
 """
 
 import argparse
+import re
 import sys
 import types
 
@@ -264,13 +265,14 @@ def test_a_schedule_that_leaves_the_backend_inert_is_said_at_startup():
     cases = [
         (dict(max_num_batched_tokens=32768, max_model_len=32768, enable_chunked_prefill=False),
          "chunked prefill off admits no prefill chunk to it; set --enable-chunked-prefill "
-         "--max-num-batched-tokens 16384"),
+         "--max-num-batched-tokens 24576"),
         (dict(max_num_batched_tokens=None, max_model_len=65536, enable_chunked_prefill=True),
          "--max-num-batched-tokens caps a prefill chunk at 512 tokens"),
-        # Chunks of 4096 reach a fresh 16K prompt's work from a context of 34816 tokens: not within 32K.
+        # Chunks of 2048 bring half a 24K prompt's work from a context of 37888 tokens: not within 32K.
         (dict(max_num_batched_tokens=32768, max_model_len=32768, enable_chunked_prefill=True,
-              max_num_partial_prefills=2, long_prefill_token_threshold=4096),
-         "--long-prefill-token-threshold caps a prefill chunk at 4096 tokens, which reaches"),
+              max_num_partial_prefills=2, long_prefill_token_threshold=2048),
+         "--long-prefill-token-threshold caps a prefill chunk at 2048 tokens, which takes the sparse path "
+         "under --sparse-prefill-min-len=24576 only from a context of 37888 tokens"),
     ]  # fmt: skip
     for fields, named in cases:
         log = Log()
@@ -284,10 +286,15 @@ def test_a_schedule_that_leaves_the_backend_inert_is_said_at_startup():
                                                                max_model_len=4096), log) is None and log.lines == []
 
 
+def one_line(text: str) -> str:
+    """Help text as one line: argparse wraps it at spaces and after hyphens (``block-`` / ``sparse``)."""
+    return re.sub(r"-\s+", "-", " ".join(text.split()))
+
+
 def test_the_flags_help_is_the_runtimes():
-    help_text = " ".join(EngineArgs.add_cli_args(argparse.ArgumentParser()).format_help().split())
+    help_text = one_line(EngineArgs.add_cli_args(argparse.ArgumentParser()).format_help())
     for suffix in SUFFIXES:
-        assert " ".join(FACTS.help(suffix).split()) in help_text, suffix
+        assert one_line(FACTS.help(suffix)) in help_text, suffix
 
 
 def test_engine_args_defaults_are_the_kernels():
