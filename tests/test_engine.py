@@ -358,3 +358,37 @@ def test_a_prefill_streak_bounds_prefills_in_a_row_while_decodes_wait():
     assert streak.length == 0
     with pytest.raises(ValueError, match="must be at least 1"):
         PrefillStreak(0)
+
+
+def test_a_loopback_init_method_gets_a_store_listening_on_loopback_alone():
+    """torch binds a TCPStore server to every address whatever host the init method names; the store
+    loopback_store() makes for tcp://127.0.0.1 listens there alone, serves a process group, and other
+    init methods are left to torch."""
+    import datetime
+    import os
+    import socket
+
+    import torch.distributed as dist
+    from listening import listening_sockets
+
+    from prefill_accel.engine.network import loopback_address, loopback_store
+
+    assert loopback_address("tcp://127.0.0.1:29500") == ("127.0.0.1", 29500)
+    assert loopback_address("tcp://[::1]:29500") == ("::1", 29500)
+    for other in ("tcp://10.1.2.3:29500", "tcp://node7:29500", "env://", "file:///tmp/store", "tcp://127.0.0.1", None):
+        assert loopback_address(other) is None and loopback_store(other, 1, 0) is None, other
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    before = listening_sockets({os.getpid()})
+    store = loopback_store(f"tcp://127.0.0.1:{port}", 1, 0, datetime.timedelta(seconds=30))
+    opened = listening_sockets({os.getpid()}) - before
+    assert opened == {("127.0.0.1", port)}
+    store.set("key", "value")
+    assert store.get("key") == b"value"
+    dist.init_process_group("gloo", store=store, world_size=1, rank=0)
+    try:
+        assert dist.get_world_size() == 1
+        assert all(address == "127.0.0.1" for address, _ in listening_sockets({os.getpid()}) - before)
+    finally:
+        dist.destroy_process_group()

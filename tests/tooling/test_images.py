@@ -30,6 +30,8 @@ import pytest
 from prefill_accel.flags import SUFFIXES, flag
 from prefill_accel.tooling import standin
 
+from listening import listening_sockets
+
 from .conftest import ROOT, TARGET_NAMES
 from .dockerfile import resolve
 
@@ -53,15 +55,6 @@ SCHEDULER_FLAGS = {
 # On the stand-in, what takes the place of the GPU the documented run line expects: the engine's own CPU
 # device flag (vLLM 0.26.0 needs none: the stand-in's platform plugin resolves its CPU platform).
 STAND_IN_ARGS = {"vllm-0.6.3.post1": ["--device", "cpu"], "sglang-0.5.16": ["--device", "cpu"]}
-# vLLM 0.6.3.post1's API server binds its port on every interface before the engine starts, whatever
-# --host says (vllm/entrypoints/openai/api_server.py, run_server: sock.bind(("", args.port))), and serves
-# on that socket; later vLLM binds (args.host, port). The series does not change it (docs/deployment.md).
-BINDS_EVERY_INTERFACE = {"vllm-0.6.3.post1"}
-# SGLang initialises torch.distributed at tcp://127.0.0.1:PORT (PORT a free one it picks; distributed/
-# bootstrap.py, _resolve_dist_init_method), and torch's TCPStore server listens on every address whatever
-# address the init method names. One such listener, never the API port, is what is seen; the series does
-# not change it (docs/deployment.md).
-STORE_ON_EVERY_INTERFACE = {"sglang-0.5.16"}
 # A model directory holding only a config.json (Qwen1.5-7B's architecture, a 128K context so that every
 # target's documented --max-model-len is accepted): the engines read it before they need weights.
 MODEL_CONFIG = ROOT / "ci" / "upstream-tests" / "hf-configs" / "Qwen" / "Qwen1.5-7B" / "config.json"
@@ -231,8 +224,9 @@ def test_engine_starts_far_enough_to_log_the_series_banner_on_loopback_only(buil
     TCP socket its processes listen on meanwhile is a loopback one; and when the banner appears, its API
     port is taken on loopback (vLLM binds it before it starts the engine) but free on this machine's own
     address. buildah's chroot isolation shares this machine's network, as `docker run --network host` does.
-    Where upstream binds every interface (BINDS_EVERY_INTERFACE, STORE_ON_EVERY_INTERFACE), exactly that is
-    seen and reported as an expected failure."""
+    Upstream vLLM 0.6.3.post1 bound its API port on every interface whatever --host said, and SGLang's
+    torch.distributed store listened on every interface; the series binds both to loopback (vLLM 0.6.3
+    patch 0007, SGLang patch 0006)."""
     target = targets.resolve(built.name)
     args, env = documented_run(target)
     args += STAND_IN_ARGS.get(target.name, [])
@@ -246,17 +240,9 @@ def test_engine_starts_far_enough_to_log_the_series_banner_on_loopback_only(buil
                                              lambda: {a: port_taken(a, port) for a in ("127.0.0.1", external)})
     assert banner in output, output[-6000:]
     public = sorted(address for address in listening if not _is_loopback(address[0]))
-    if target.name in STORE_ON_EVERY_INTERFACE:
-        assert len(public) == 1 and public[0][1] != port, \
-            f"expected torch.distributed's store alone beyond loopback, found {public} (all: {sorted(listening)})"
-        assert not taken[external], f"port {port} is taken on {external}, beyond loopback"
-        pytest.xfail(f"{target.name}: torch.distributed's store listens on {public[0][0]} port {public[0][1]}")
     assert public == [], f"listening beyond loopback: {public} (all: {sorted(listening)})"
     if target.engine == "vllm":
         assert taken["127.0.0.1"], f"port {port} is not held on loopback when the engine starts"
-    if target.name in BINDS_EVERY_INTERFACE:
-        assert taken[external], f"{target.name} no longer binds every interface: drop it from BINDS_EVERY_INTERFACE"
-        pytest.xfail(f"port {port} is taken on {external} too: {target.name}'s API server binds every interface")
     assert not taken[external], f"port {port} is taken on {external}, beyond loopback"
 
 
@@ -338,38 +324,6 @@ def process_tree(root_pid: int) -> set[int]:
         tree.update(children)
         frontier.extend(children)
     return tree
-
-
-def listening_sockets(pids: set[int]) -> set[tuple[str, int]]:
-    """(address, port) of the TCP sockets in LISTEN state that these processes hold. (A socket bound but
-    not yet listening is in no /proc table: port_taken finds those.)"""
-    inodes: set[str] = set()
-    for pid in pids:
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                link = os.readlink(fd)
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-        except OSError:
-            continue
-    found = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            rows = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if fields[3] == "0A" and fields[9] in inodes:
-                address, port = fields[1].split(":")
-                found.add((_address(address), int(port, 16)))
-    return found
-
-
-def _address(hex_address: str) -> str:
-    """/proc/net/tcp's address: 32-bit words in host (little-endian) order."""
-    raw = bytes.fromhex(hex_address)
-    return str(ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))))
 
 
 def _is_loopback(address: str) -> bool:

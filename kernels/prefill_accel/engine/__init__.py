@@ -9,4 +9,5 @@ back; nothing in this package imports an engine, and nothing here calls back int
   warmup   compiling and tuning the kernels for an engine's shapes at startup, not in the first long prompt
   planner  the step planner the patched schedulers call (limits, decodes first, the latency target), the
            SRPF key and the prefill streak of decode protection
+  network  torch.distributed's store on loopback when every rank runs on one machine
 """
