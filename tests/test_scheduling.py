@@ -2,7 +2,7 @@
 
 import pytest
 
-from prefill_accel.scheduling.prefills import Chunk, PartialPrefills, aged_remaining, water_level
+from prefill_accel.scheduling.prefills import Chunk, PartialPrefills, aged_remaining, water_level, whole_beside
 from prefill_accel.scheduling.step_budget import STARVATION_STEPS, PrefillTime
 from prefill_accel.scheduling.step_time import StepTimeModel, attention_pairs
 
@@ -43,6 +43,22 @@ def test_water_level_shares_tokens_and_seconds_max_min_fairly():
     level = water_level([0.001, 0.050, 0.020], 0.012)
     assert level == pytest.approx(0.0055)
     assert sum(min(d, level) for d in [0.001, 0.050, 0.020]) == pytest.approx(0.012)
+
+
+def test_whole_prefills_beside_a_partial_one_take_their_fair_share_uncut():
+    """Waiting prefills go whole, in order, while the partial prefill keeps at least the largest of them
+    (its max-min share), or all it has left when that is less."""
+    assert whole_beside(100000, [100, 300], 1024) == 2  # the document keeps 624 >= 300
+    assert whole_beside(100000, [500] * 20, 8192) == 15  # 16 would leave it 192 < 500
+    assert whole_beside(100000, [900, 100], 1024) == 0  # 124 < 900: order holds, nobody jumps the queue
+    assert whole_beside(50, [600], 1024) == 1  # it needs only 50 of the 424 left
+    assert whole_beside(50, [1000], 1024) == 0  # 24 is not all it needs
+    assert whole_beside(100000, [1023], 1024) == 0 and whole_beside(0, [1023], 1024) == 1  # at least a token
+    assert whole_beside(100000, [], 1024) == 0
+    # It is the water level with nobody cut: the partial prefill's share is at least every admitted demand.
+    demands = [64, 200, 200, 350, 700, 1200]
+    taken = whole_beside(10**6, demands, 2048)
+    assert taken == 4 and water_level([10**6, *demands[:taken]], 2048) >= max(demands[:taken])
 
 
 def test_partial_prefills_admit_share_and_keep_long_slots():

@@ -3,6 +3,7 @@ The step planner (:mod:`prefill_accel.engine.planner`), which every engine's sch
 through its adapter, is made of these:
 
 - ``prefills.py``: the max-min fair share of a step's prefill budget (:func:`water_level`), the
+  waiting prefills a step takes whole beside a partial one (:func:`whole_beside`), the
   partial-prefill limits (:class:`PartialPrefills`) over :class:`Chunk` views of the engine's
   prefills, and the SRPF key with aging (:func:`aged_remaining`).
 - ``step_time.py``: :class:`StepTimeModel`, the online model of a step's wall time (its decodes'

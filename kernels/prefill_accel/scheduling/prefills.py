@@ -1,7 +1,7 @@
 """Which prefills a step runs and how much of each: the max-min fair share of the step's prefill
-budget (tokens or seconds), the partial-prefill limits (admission, long slots) over :class:`Chunk`
-views of the engine's prefills, and the shortest-remaining-prefill-first key with aging
-(``--prefill-order srpf``)."""
+budget (tokens or seconds), the waiting prefills a step takes whole beside a partial one, the
+partial-prefill limits (admission, long slots) over :class:`Chunk` views of the engine's prefills,
+and the shortest-remaining-prefill-first key with aging (``--prefill-order srpf``)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,22 @@ def water_level(demands: list, budget):
         left -= demand
         count -= 1
     return budget
+
+
+def whole_beside(partial_remaining: int, demands: Iterable[int], budget: int) -> int:
+    """How many of ``demands`` (waiting prefills, in the order they are to be admitted) a step of
+    ``budget`` tokens takes whole beside a partial prefill with ``partial_remaining`` tokens left, for
+    engines that cannot chunk a second prefill beside a partial one (SGLang): the max-min fair share,
+    with no prefill cut. Each is admitted while the partial prefill keeps at least the largest admitted
+    demand (its fair share under the water level), or all it has left when that is less, and at least
+    one token; the first that does not fit ends the admission."""
+    admitted, total, largest = 0, 0, 0
+    for demand in demands:
+        total, largest = total + demand, max(largest, demand)
+        if budget - total < max(min(partial_remaining, largest), 1):
+            break
+        admitted += 1
+    return admitted
 
 
 @dataclass(frozen=True)

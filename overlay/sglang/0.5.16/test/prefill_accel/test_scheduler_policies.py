@@ -14,6 +14,7 @@ from array import array
 from types import SimpleNamespace
 
 import pytest
+import torch
 from prefill_accel.flags import SUFFIXES
 
 from sglang.srt.managers import srpf_order
@@ -190,6 +191,46 @@ def test_long_and_short_queue_forms_the_prefill_batch_shortest_first(clock, poli
     assert {r.rid: r.extend_range.length for r in adder.can_run_list} == admitted
     assert list(admitted) == [r.rid for r in adder.can_run_list]
     assert adder.new_chunked_req.rid == "document"
+
+
+def chunk_batch(policy: str, waiting: list, srpf_first: bool = True, max_requests: int = 64) -> dict:
+    """One prefill batch while a 16000-token document is prefilled in chunks of 1024 (4096 tokens done):
+    the scheduler's call of srpf_order.add_chunk_after_shorter with a real PrefillAdder, then its loop over
+    the rest of the sorted queue. Returns each admitted request's tokens, in order."""
+    args = server_args("--schedule-policy", policy)
+    set_global_server_args_for_scheduler(args)
+    tree_cache = RadixCache.create_simulated()
+    document = make_req("document", 16000, NOW - 3)
+    document.init_next_round_input(tree_cache)
+    document.prefix_indices = torch.arange(4096)
+    queue = [make_req(rid, tokens, NOW - 1) for rid, tokens in waiting]
+    schedule_policy = SchedulePolicy(policy, tree_cache, False, False, False)
+    schedule_policy.calc_priority(queue)
+    allocator = SimpleNamespace(available_size=lambda: 1 << 20)
+    adder = PrefillAdder(1, tree_cache, allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 1024)
+    document.init_next_round_input()
+    unfinished, ahead = srpf_order.add_chunk_after_shorter(adder, schedule_policy, queue, document, tree_cache,
+                                                           max_requests, None, srpf_first)  # fmt: skip
+    assert unfinished is document
+    for req in [r for r in queue if r not in ahead]:
+        req.init_next_round_input(tree_cache)
+        if adder.add_one_req(req, has_chunked_req=True, truncation_align_size=None) != AddReqResult.CONTINUE:
+            break
+    return {r.rid: r.extend_range.length for r in adder.can_run_list}
+
+
+def test_shorter_requests_go_before_a_chunk_under_srpf(clock):
+    """SGLang puts a chunked request's next chunk first in every batch; under srpf the shorter waiting
+    requests go first, whole, while the chunk keeps its fair share, and the chunk takes the rest."""
+    waiting = [("chat", 100), ("code", 300), ("review", 900)]
+    assert list(chunk_batch("fcfs", waiting).items()) == [("document", 1024)]
+    # 100 + 300 leave the document 624 >= 300; with the 900 it would keep 124 < 900.
+    assert list(chunk_batch("srpf", waiting).items()) == [("chat", 100), ("code", 300), ("document", 624)]
+    # As many as the batch may hold (the document's request among them), and only where the scheduler allows.
+    assert list(chunk_batch("srpf", waiting, max_requests=2).items()) == [("chat", 100), ("document", 924)]
+    assert list(chunk_batch("srpf", waiting, srpf_first=False).items()) == [("document", 1024)]
+    # A waiting request with more to prefill than the document does not go first.
+    assert list(chunk_batch("srpf", [("book", 20000)]).items()) == [("document", 1024)]
 
 
 def scheduler_rounds(max_consecutive, rounds):

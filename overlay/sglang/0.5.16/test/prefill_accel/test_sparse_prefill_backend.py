@@ -38,11 +38,16 @@ SLOTS = 2048
 
 
 class RecordingDense(TorchNativeAttnBackend):
-    """SGLang's torch_native backend, counting the extend calls it computes."""
+    """SGLang's torch_native backend, counting the extend calls it computes and the batches it plans."""
 
     def __init__(self, runner):
         super().__init__(runner)
         self.extend_calls = 0
+        self.planned = []
+
+    def init_forward_metadata(self, forward_batch):
+        self.planned.append(forward_batch)
+        return super().init_forward_metadata(forward_batch)
 
     def forward_extend(self, *args, **kwargs):
         self.extend_calls += 1
@@ -253,3 +258,50 @@ def test_every_hook_of_the_base_class_is_the_dense_backends():
     assert engine.backend._batch is not None  # a long extend: the kernel's batch
     engine.backend.init_forward_metadata_for_breakable_cuda_graph_capture(engine.batch)
     assert engine.backend._batch is None and calls == ["support_triton", "capture"]
+
+
+def test_the_dense_backend_plans_a_kernel_batch_only_where_a_layer_stays_dense():
+    """A batch the kernel takes is not planned on the dense backend unless some layer of it goes there
+    (then once, before that layer); any other batch is planned as SGLang plans it."""
+    engine = Engine(1, dense_layers=1)
+    q, k, v = engine.qkv()
+    engine.backend.init_forward_metadata(engine.batch)
+    assert engine.dense.planned == []
+    engine.backend.forward_extend(q, k, v, engine.layer(layer_id=2), engine.batch)
+    assert engine.dense.planned == [] and engine.dense.extend_calls == 0
+    for layer_id in (0, 1):  # layer 0 stays dense (--sparse-prefill-dense-layers 1): planned once, there
+        engine.backend.forward_extend(q, k, v, engine.layer(layer_id=layer_id), engine.batch)
+    assert engine.dense.planned == [engine.batch] and engine.dense.extend_calls == 1
+    short = Engine(1, requests=[(128, 60), (0, 100)])
+    short.backend.init_forward_metadata(short.batch)
+    assert short.dense.planned == [short.batch]
+
+
+def test_sglang_s_hybrid_setup_wraps_the_decode_backend_s_own_instance(monkeypatch):
+    """Where SGLang builds its hybrid of a prefill and a decode backend (patch 0002), sparse_prefill wraps
+    the decode backend it has just built: one instance, whose graph state the hybrid sets up once."""
+    from prefill_accel.engine import warmup
+    from sglang.srt.layers.attention.hybrid_attn_backend import HybridAttnBackend
+    from sglang.srt.model_executor.model_runner_components import attention_backend_setup as setup
+    from sglang.srt.server_args import ServerArgs
+
+    engine = Engine(1)
+    args = ServerArgs(model_path="dummy", prefill_attention_backend="sparse_prefill", attention_backend="torch_native")
+    model = SimpleNamespace(num_attention_heads=2 * engine.kv_pool.head_num, context_len=131072,
+                            get_num_kv_heads=lambda tp_size: engine.kv_pool.head_num // tp_size)  # fmt: skip
+    runner = SimpleNamespace(server_args=args, device="cpu", req_to_token_pool=engine.req_pool,
+                             token_to_kv_pool=engine.kv_pool, page_size=1, model_config=model,
+                             kv_cache_dtype=DTYPE)  # fmt: skip
+    monkeypatch.setattr(warmup, "warm_up", lambda **shapes: None)
+    monkeypatch.setattr(setup, "attn_backend_wrapper", lambda runner, backend: backend)  # model-level wrappers
+    built = []
+    monkeypatch.setitem(setup.ATTENTION_BACKENDS, "torch_native", lambda runner: built.append(RecordingDense(runner)) or built[-1])
+    resolved = setup.ResolvedAttentionBackendStr(prefill="sparse_prefill", decode="torch_native")
+    hybrid = setup._build_resolved_backend(model_runner=runner, resolved=resolved, init_new_workspace=False)
+    assert isinstance(hybrid, HybridAttnBackend) and len(built) == 1
+    assert hybrid.prefill_backend.dense is hybrid.decode_backend is built[0]
+    graph_states = []
+    built[0].init_cuda_graph_state = lambda max_bs, max_num_tokens: graph_states.append((max_bs, max_num_tokens))
+    hybrid.init_cuda_graph_state(8, 64)
+    hybrid.prefill_backend.init_cuda_graph_state(8, 64)  # as the hybrid does for speculative verification
+    assert graph_states == [(8, 64)]

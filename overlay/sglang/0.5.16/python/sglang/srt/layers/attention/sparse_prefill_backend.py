@@ -23,6 +23,10 @@ kernel lacks, differing K and V head sizes. Batches that stay dense: decodes, ta
 batches padded beyond their tokens, calls with extra arguments (attention sinks and the like), and
 every batch when the KV pool is not the plain token pool (quantized, HND or hybrid layouts).
 
+The dense backend is the instance the server decodes with (patch 0002 hands it over where SGLang
+builds its hybrid of a prefill and a decode backend), so its buffers and workspace exist once; its
+metadata for an extend batch the kernel takes is planned only if some layer of that batch stays dense.
+
 Built before SGLang captures its CUDA graphs, the backend compiles and tunes the kernels for the
 runner's shapes (prefill_accel.engine.warmup), so the first long prompt compiles nothing.
 """
@@ -103,9 +107,11 @@ class SparsePrefillAttnBackend(AttentionBackend):
     """The dense backend's attention, with long extend batches on the block-sparse kernel."""
 
     def __init__(self, dense: AttentionBackend, settings: SparsePrefillSettings, req_to_token_pool,
-                 token_to_kv_pool, page_size: int):
+                 token_to_kv_pool, page_size: int, dense_is_shared: bool = False):
         super().__init__()
         self.dense = dense
+        # The decode side's own instance: SGLang's hybrid backend sets up its graph state.
+        self.dense_is_shared = dense_is_shared
         self.settings = settings
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
@@ -116,13 +122,14 @@ class SparsePrefillAttnBackend(AttentionBackend):
             logger.warning("%s: every batch stays on the dense backend: %s", BACKEND, self.pool_reason)
         self._layer_reasons: Dict[int, Optional[str]] = {}
         self._batch: Optional[SparseBatch] = None
+        self._unplanned: Optional[ForwardBatch] = None  # an extend batch the dense backend has not planned
 
     def __getattr__(self, name):
         # Model code and SGLang's runners read backend-specific attributes (forward_metadata, ...)
-        # of the backend they configured: they are the dense backend's.
-        if name == "dense":
+        # of the backend they configured: they are the dense backend's, for the current batch.
+        if name in ("dense", "_unplanned"):
             raise AttributeError(name)
-        return getattr(self.dense, name)
+        return getattr(self._dense(), name)
 
     @staticmethod
     def _pool_reason(pool) -> Optional[str]:
@@ -156,23 +163,34 @@ class SparsePrefillAttnBackend(AttentionBackend):
         return dense_reason(traits, self.settings)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch):
-        self.dense.init_forward_metadata(forward_batch)
-        self._batch = None
+        self._batch, self._unplanned = None, None
         if self.pool_reason is None and forward_batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
             self._batch = sparse_batch(
                 forward_batch, self.req_to_token_pool.req_to_token, self.page_size, self.settings
             )
+        if self._batch is None:
+            self.dense.init_forward_metadata(forward_batch)
+        else:
+            self._unplanned = forward_batch  # planned by _dense() if a layer of it stays dense
+
+    def _dense(self) -> AttentionBackend:
+        """The dense backend, with the current batch's metadata planned."""
+        if self._unplanned is not None:
+            batch, self._unplanned = self._unplanned, None
+            self.dense.init_forward_metadata(batch)
+        return self.dense
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
         # Graph-captured batches stay dense: the kernel's grid depends on the batch's lengths.
-        self._batch = None
+        self._batch, self._unplanned = None, None
         self.dense.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
         self.dense.init_forward_metadata_in_graph(forward_batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-        self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
+        if not self.dense_is_shared:
+            self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def get_cuda_graph_seq_len_fill_value(self):
         return self.dense.get_cuda_graph_seq_len_fill_value()
@@ -189,12 +207,12 @@ class SparsePrefillAttnBackend(AttentionBackend):
         return self.dense.supports_ragged_verify_graph
 
     def init_forward_metadata_for_breakable_cuda_graph_capture(self, forward_batch: ForwardBatch):
-        self._batch = None
+        self._batch, self._unplanned = None, None
         return self.dense.init_forward_metadata_for_breakable_cuda_graph_capture(forward_batch)
 
     def prepare_forward_metadata_for_breakable_cuda_graph_replay(self, capture_metadata, forward_batch: ForwardBatch,
                                                                  **kwargs) -> None:  # fmt: skip
-        self._batch = None
+        self._batch, self._unplanned = None, None
         self.dense.prepare_forward_metadata_for_breakable_cuda_graph_replay(capture_metadata, forward_batch, **kwargs)
 
     def draft_extend_metadata_captured_in_graph(self) -> bool:
@@ -213,19 +231,19 @@ class SparsePrefillAttnBackend(AttentionBackend):
         return self.dense.support_triton()
 
     def get_indexer_metadata(self, layer_id: int, forward_batch: ForwardBatch):
-        return self.dense.get_indexer_metadata(layer_id, forward_batch)
+        return self._dense().get_indexer_metadata(layer_id, forward_batch)
 
     def forward_mixed(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True, **kwargs):
-        return self.dense.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return self._dense().forward_mixed(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True, **kwargs):
-        return self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return self._dense().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True, **kwargs):
         batch = self._batch
         if (batch is None or kwargs or self.layer_dense_reason(layer) is not None
                 or q.shape[0] != batch.total_q):
-            return self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            return self._dense().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(
                 layer, forward_batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale
@@ -247,8 +265,10 @@ class SparsePrefillAttnBackend(AttentionBackend):
         return output.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
 
-def create_sparse_prefill_backend(runner) -> SparsePrefillAttnBackend:
-    """The backend for a model runner: its dense backend is the one the server decodes with."""
+def create_sparse_prefill_backend(runner, decode_backend: Optional[AttentionBackend] = None) -> SparsePrefillAttnBackend:
+    """The backend for a model runner: its dense backend is the one the server decodes with, the very
+    instance ``decode_backend`` where the caller has built it (SGLang's hybrid setup, patch 0002), else
+    a new one of the decode backend's kind."""
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
     _, dense_name = runner.server_args.get_attention_backends()
@@ -259,11 +279,12 @@ def create_sparse_prefill_backend(runner) -> SparsePrefillAttnBackend:
             "to a dense backend (e.g. fa3, flashinfer, triton)"
         )
     backend = SparsePrefillAttnBackend(
-        dense=ATTENTION_BACKENDS[dense_name](runner),
+        dense=decode_backend if decode_backend is not None else ATTENTION_BACKENDS[dense_name](runner),
         settings=settings_from_server_args(runner.server_args),
         req_to_token_pool=runner.req_to_token_pool,
         token_to_kv_pool=runner.token_to_kv_pool,
         page_size=runner.page_size,
+        dense_is_shared=decode_backend is not None,
     )
     if backend.pool_reason is None:
         warm_up_kernels(runner, backend.settings)
