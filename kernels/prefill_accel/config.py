@@ -102,12 +102,12 @@ class SparsePrefillConfig:
         for the search to pay, and its causal attention work, ``q_len * k_len - q_len**2 / 2``
         query-key pairs, is at least a fresh prompt of ``min_q_len / 2`` tokens', which pays for the
         search's fixed cost. So a fresh prompt goes sparse from ``min_q_len`` tokens, and so does
-        every chunk of a longer prompt from that context on (down to a few thousand queries there, fewer at
-        longer contexts); the first chunks before it stay dense (on Qwen2.5-Coder-1.5B a 16K context kept 44-70% of its blocks and
-        ran at 0.61x-0.84x of FlashAttention's speed, a 32K one 24-36% at 1.38x-1.82x:
-        docs/e2e-vllm.md, run 13). A chunk shorter than a block (a decode step) stays dense unless
-        ``min_q_len`` is shorter still. Every router (the engines' batch splits, the block layout,
-        the dense route of the public function) asks this one question."""
+        every chunk of a longer prompt from that context on (down to a few thousand queries there,
+        fewer at longer contexts); the chunks before it stay dense, where the search keeps most
+        blocks and FlashAttention is faster (per-chunk times in docs/e2e-vllm.md, run 13). A chunk
+        shorter than a block (a decode step) stays dense unless ``min_q_len`` is shorter still.
+        Every router (the engines' batch splits, the block layout, the dense route of the public
+        function) asks this one question."""
         start = self.sparse_from(q_len)
         return start is not None and (q_len if k_len is None else k_len) >= start
 

@@ -419,9 +419,11 @@ def needle_stage(results: dict, gpus: str, model: str, lengths: list[int], depth
             for length in group:
                 prompts = build_prompts(tok, length, depths, seed=length)
                 ids = [p.input_ids for p in prompts]
+                def generate(worker):
+                    return worker.call(op="generate", prompts=ids, max_tokens=12, timeout=1200)["tokens"]
+
                 with ThreadPoolExecutor(max_workers=2) as sides:
-                    tokens = list(sides.map(lambda w: w.call(op="generate", prompts=ids, max_tokens=12, timeout=1200)["tokens"],
-                                            (up, pa)))  # fmt: skip
+                    tokens = list(sides.map(generate, (up, pa)))
                 answers = [[parse_answer(tok.decode(t)) for t in side] for side in tokens]
                 mine = [{"length": length, "depth": p.depth, "value": p.value, "upstream": a_up, "patched": a_pa,
                          "max_model_len": max_len} for p, a_up, a_pa in zip(prompts, *answers)]  # fmt: skip

@@ -295,7 +295,12 @@ def test_sglang_s_hybrid_setup_wraps_the_decode_backend_s_own_instance(monkeypat
     monkeypatch.setattr(warmup, "warm_up", lambda **shapes: None)
     monkeypatch.setattr(setup, "attn_backend_wrapper", lambda runner, backend: backend)  # model-level wrappers
     built = []
-    monkeypatch.setitem(setup.ATTENTION_BACKENDS, "torch_native", lambda runner: built.append(RecordingDense(runner)) or built[-1])
+
+    def build_dense(runner):
+        built.append(RecordingDense(runner))
+        return built[-1]
+
+    monkeypatch.setitem(setup.ATTENTION_BACKENDS, "torch_native", build_dense)
     resolved = setup.ResolvedAttentionBackendStr(prefill="sparse_prefill", decode="torch_native")
     hybrid = setup._build_resolved_backend(model_runner=runner, resolved=resolved, init_new_workspace=False)
     assert isinstance(hybrid, HybridAttnBackend) and len(built) == 1
