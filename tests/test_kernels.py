@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -73,20 +74,32 @@ def test_sparse_equals_masked_reference_under_own_index(page_size, dtype, heads)
     assert rel_err(want, dense) > 1e-3, "pruning must change the output on these inputs"
 
 
+def force_splits(monkeypatch, capacity: int = 30, max_splits: int = 3) -> None:
+    """Split-KV made to happen at test sizes: ranges of one block and more, at most ``max_splits`` of
+    them (the last one ragged), as many program slots as it takes, ``capacity`` scratch slots."""
+    monkeypatch.setattr(launch, "MIN_SPLIT_BLOCKS", 1)
+    monkeypatch.setattr(launch, "MAX_SPLITS", max_splits)
+    monkeypatch.setattr(launch, "split_slots", lambda group, sms: (10**6, capacity))
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
-def test_long_dense_rows_split_over_the_keys_match_the_reference(monkeypatch, page_size, heads):
-    """Split-KV of long dense rows (the forced last query blocks, a short chunk after a long prefix),
-    made to happen at test sizes: rows of 2+ blocks split, ranges of 1+ block, at most 3 of them so
-    the last range is ragged."""
-    monkeypatch.setattr(layout_module, "LONG_ROW_BLOCKS", 2)
-    monkeypatch.setattr(launch, "MIN_SPLIT_BLOCKS", 1)
-    monkeypatch.setattr(launch, "MAX_SPLITS", 3)
+@pytest.mark.parametrize("kv_reads", ["pointer", "tma"])
+def test_split_rows_match_the_reference(monkeypatch, page_size, heads, kv_reads):
+    """Rows walked in several key ranges and merged (the forced-dense last query blocks, a short
+    chunk after a long prefix, sparse rows), beside rows left whole once the scratch slots run out;
+    TMA reads staged one KV head per launch, so a launch meets ranges of heads it does not cover."""
+    force_splits(monkeypatch)
+    monkeypatch.setattr(launch, "KV_READS", kv_reads)
+    monkeypatch.setattr(launch, "STAGE_BYTES", 1)
     batch = make_batch(q_lens=[520, 70, 40], k_lens=[520, 600, 460], num_heads=heads[0], num_kv_heads=heads[1],
                        page_size=page_size, device=DEVICE)  # fmt: skip
     config = sparse_config(last_query_blocks=1, min_q_len=64)  # the 40-token chunk is dense as a whole
     index = select_blocks(*batch.search_args, config=config)
-    assert index.layout.long_rows.tolist() == [8, 10, 11, 12] and index.layout.long_row_blocks == 9
+    plan = attention._plan_splits(index.counts.contiguous(), 64, heads[0] // heads[1], batch.q.shape[2])
+    splits = plan.row_splits.flatten().cpu()
+    assert (splits > 1).any()
+    assert ((index.counts.flatten().cpu() > 3) & (splits == 1)).any(), "rows past the scratch slots stay whole"
     out, lse = sparse_prefill_attention(*batch.args, config=config, out=poisoned_out(batch.q))
     want, want_lse = attention_reference.block_masked_attention(*batch.args, index)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all(), "every output row and lse must be written"
@@ -95,24 +108,96 @@ def test_long_dense_rows_split_over_the_keys_match_the_reference(monkeypatch, pa
 
 
 @pytest.mark.parametrize("tile", [(32, 32, 4), (64, 16, 2)], ids=["32x32", "64x16"])
-def test_explicit_tile_without_split_matches_the_reference(monkeypatch, tile):
-    """The benchmark hooks: one given tile shape instead of the autotuned one, long rows unsplit."""
+@pytest.mark.parametrize("split_kv", [True, False])
+def test_explicit_tile_matches_the_reference(monkeypatch, tile, split_kv):
+    """The benchmark hooks: one given tile shape instead of the autotuned one, with split rows
+    (two query tiles per block write their partials) or every row whole."""
     import triton
 
-    monkeypatch.setattr(layout_module, "LONG_ROW_BLOCKS", 2)
+    force_splits(monkeypatch)
     batch = make_batch(q_lens=[300, 70], k_lens=[300, 400], device=DEVICE)
     config = sparse_config(last_query_blocks=1)
     index = select_blocks(*batch.search_args, config=config)
-    assert index.layout.long_rows.numel() == 2, "rows that would split, left to one program each"
     block_m, block_n, warps = tile
     out, lse = attention.block_sparse_attention(
         *batch.args, index.layout, index, batch.q.shape[2] ** -0.5, False, poisoned_out(batch.q),
-        tile=triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=1), split_kv=False,
+        tile=triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=1), split_kv=split_kv,
     )  # fmt: skip
     want, want_lse = attention_reference.block_masked_attention(*batch.args, index)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert rel_err(out, want) < TOL[torch.float16]
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("group, slots, capacity", [(1, 4096, 64), (6, 528, 192), (4, 2000, 5), (2, 3, 0)])
+def test_split_plan_matches_its_reference(group, slots, capacity):
+    """The GPU plan against the plain one: a row that keeps everything beside rows that keep a few,
+    rows of one block, and scratch slots that run out (capacity 5 and 0)."""
+    gen = torch.Generator().manual_seed(group * 1000 + capacity)
+    counts = torch.randint(1, 40, (300, 3), generator=gen, dtype=torch.int32)
+    counts[7, 1], counts[8] = 1000, 1
+    counts = counts.to(DEVICE)
+    want = attention_reference.split_plan(counts, group, slots, capacity, min_blocks=4, max_splits=6)
+    row_splits = torch.empty_like(counts)
+    slot_row = torch.empty(capacity, dtype=torch.int32, device=DEVICE)
+    slot_split = torch.empty(capacity, dtype=torch.int32, device=DEVICE)
+    attention._plan_splits_kernel[(1,)](
+        counts, row_splits, slot_row, slot_split, counts.numel(), capacity, slots,
+        GROUP=group, MIN_BLOCKS=4, MAX_SPLITS=6, CHUNK=128,
+    )  # fmt: skip
+    assert torch.equal(row_splits.cpu(), want[0])
+    assert torch.equal(slot_row.cpu(), want[1])
+    used = want[1] >= 0
+    assert torch.equal(slot_split.cpu()[used], want[2][used])
+    if capacity >= 64:
+        assert row_splits.max() > 1 and row_splits.min() == 1
+
+
+@pytest.mark.parametrize(
+    "q_len, heads, planned",
+    [
+        (16384, 12, True),  # a 16K chunk, Qwen2.5-Coder-1.5B's heads: 1536 programs, under 6 waves on an H200
+        (2048, 32, True),
+        (16384, 32, False),  # 4096 programs: 15 waves, whose rows balance themselves
+        (131072, 12, False),  # a whole 128K prompt: measured 1-5% slower planned, nothing to split
+    ],
+)
+def test_split_plan_is_made_for_launches_of_few_waves(monkeypatch, q_len, heads, planned):
+    assert launch.plans_splits(-(-q_len // 128) * heads) is planned
+    monkeypatch.setattr(launch, "SPLIT_KV", False)
+    assert not launch.plans_splits(-(-q_len // 128) * heads)
+
+
+@pytest.mark.parametrize(
+    "q_len, k_len, heads, kv_heads, kept",
+    [
+        (16384, 131072, 12, 2, (0.9, 0.05)),  # run 13's last chunk: a head that keeps most of a row beside one that keeps few
+        (16384, 65536, 12, 2, (0.3, 0.1)),
+        (131072, 131072, 32, 8, (0.1, 0.02)),  # a fresh 128K prompt
+        (2048, 32768, 9, 3, (1.0, 0.05)),  # a short chunk after a long prefix
+    ],
+)
+def test_split_plan_bounds_the_longest_walk_and_fits_its_scratch(q_len, k_len, heads, kv_heads, kept):
+    """On the H200 (132 multiprocessors), whatever the counts: no program walks much more than the
+    launch's work per program slot over SPLIT_BALANCE (or MIN_SPLIT_BLOCKS, or a row over
+    MAX_SPLITS), and the split rows fit the scratch, so none is left whole for want of slots."""
+    group = heads // kv_heads
+    slots, capacity = launch.split_slots(group, sms=132)
+    q_blocks, k_blocks = -(-q_len // 128), -(-k_len // 128)
+    position = torch.arange(k_blocks - q_blocks, k_blocks).view(-1, 1) + 1
+    share = torch.tensor(kept).repeat(kv_heads)[:kv_heads].view(1, -1)
+    counts = (position * share).clamp(min=1).to(torch.int32)
+    counts[0] = position[0]  # one row of each head keeps everything
+    row_splits, slot_row, _ = attention_reference.split_plan(
+        counts, group, slots, capacity, launch.MIN_SPLIT_BLOCKS, launch.MAX_SPLITS
+    )
+    walks = (counts - 1).long()
+    work_per_slot = int(walks.sum()) * group / (launch.PROGRAMS_PER_SM * 132)  # block walks per program slot
+    per_split = max(math.ceil(work_per_slot / launch.SPLIT_BALANCE), launch.MIN_SPLIT_BLOCKS)
+    longest = int((walks / row_splits).ceil().max())
+    assert longest <= max(2 * per_split, math.ceil(int(walks.max()) / launch.MAX_SPLITS))
+    assert torch.equal(row_splits > 1, walks > 2 * per_split), "every row longer than two ranges is split"
+    assert int((slot_row >= 0).sum()) <= capacity
 
 
 def poison_rows_past_the_end(batch) -> None:
@@ -540,25 +625,6 @@ def test_prebuilt_layout_from_host_lengths_gives_the_same_result():
         sparse_prefill_attention(*batch.args, config=config, layout=other)
     with pytest.raises(TypeError, match="BatchLayout"):
         sparse_prefill_attention(*batch.args, config=config, layout="layout")
-
-
-@pytest.mark.parametrize(
-    "q_len, k_len, heads, split",
-    [
-        (8192, 8192, 32, False),  # H200: no difference
-        (32768, 32768, 32, False),  # the split ~0.15 ms slower
-        (32768, 32768, 9, True),  # 0.45 vs 0.70 ms
-        (131072, 131072, 9, True),  # 1.85 vs 2.48 ms
-        (16384, 131072, 9, True),  # a chunk after a long prefix: 0.6 vs 2.9 ms
-        (16384, 131072, 132, False),  # long rows alone fill the multiprocessors
-    ],
-)
-def test_split_kv_is_chosen_where_it_measured_faster(q_len, k_len, heads, split):
-    cu = torch.tensor([0, q_len], dtype=torch.int32)
-    config = SparsePrefillConfig(min_q_len=0)  # as the benchmark ran them
-    layout = layout_module.BatchLayout.build(cu, torch.tensor([k_len], dtype=torch.int32), config, "cpu")
-    assert layout.long_rows.numel() == 1
-    assert launch.split_pays(layout, heads, sms=132) is split
 
 
 @pytest.mark.parametrize(

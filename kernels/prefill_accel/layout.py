@@ -16,11 +16,6 @@ import torch
 
 from .config import SparsePrefillConfig
 
-# A dense query block with at least this many key blocks before its diagonal is a long row: in a
-# sparse step the attention kernel splits its walk over the keys across programs (split-KV), or
-# that one program would still be walking the context after every sparse block is done.
-LONG_ROW_BLOCKS = 32
-
 
 def causal_block_count(q_lens, k_lens, block: int) -> int:
     """(query block, key block) pairs allowed by causality in a batch, per KV head, from host lengths.
@@ -55,12 +50,6 @@ class BatchLayout:
     """Every query block is dense, so no search is needed (known on the host, no device read)."""
     config: SparsePrefillConfig
     """The configuration the layout was built for (its dense blocks depend on it)."""
-    long_rows: torch.Tensor
-    """(n,) int32: the dense query blocks with at least `LONG_ROW_BLOCKS` key blocks before their diagonal."""
-    long_row_flags: torch.Tensor
-    """(total_q_blocks,) int8: 1 on the query blocks of `long_rows` (built here, once per step)."""
-    long_row_blocks: int
-    """The most key blocks before the diagonal among `long_rows` (0 when there are none)."""
     checked_page_tables: set = field(default_factory=set, compare=False, repr=False)
     """Page tables whose ids were found inside the cache for this layout (the public functions check once)."""
 
@@ -132,10 +121,6 @@ class BatchLayout:
             dense_tail = min(config.last_query_blocks, n) if long else n
             dense += [0] * (n - dense_tail) + [1] * dense_tail
             starts.append(starts[-1] + n)
-        long_rows = [i for i in range(len(dense)) if dense[i] and positions[i] >= LONG_ROW_BLOCKS]
-        long_flags = [0] * len(dense)
-        for i in long_rows:
-            long_flags[i] = 1
 
         def as_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
             if not values:
@@ -154,9 +139,6 @@ class BatchLayout:
             seq_qblock_start=tuple(starts),
             all_dense=all(dense),
             config=config,
-            long_rows=as_tensor(long_rows, torch.int32),
-            long_row_flags=as_tensor(long_flags, torch.int8),
-            long_row_blocks=max((positions[i] for i in long_rows), default=0),
         )
 
 

@@ -75,6 +75,8 @@ def time_chunk(name: str, q, k_cache, v_cache, table, cu, seqlens, config, scale
         "select_ms": cuda_time(lambda: select_blocks(q, k_cache, table, cu, seqlens, config=config,
                                                      softmax_scale=scale), repeats),
         "attention_ms": cuda_time(lambda: block_sparse_attention(*args, index, softmax_scale=scale, out=out), repeats),
+        "attention_unsplit_ms": cuda_time(lambda: attention.block_sparse_attention(
+            *args, layout, index, scale, False, out, split_kv=False), repeats),
         "total_ms": cuda_time(lambda: sparse_prefill_attention(*args, config=config, softmax_scale=scale, out=out),
                               repeats),
         "total_layout_ms": cuda_time(lambda: sparse_prefill_attention(*args, config=config, softmax_scale=scale,
@@ -101,7 +103,7 @@ def time_prefill(name: str, q_full, k, v, chunk: int, page_size: int, config, sc
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     length = k.shape[0]
-    totals = {"fa3_ms": 0.0, "select_ms": 0.0, "attention_ms": 0.0, "total_layout_ms": 0.0}
+    totals = {"fa3_ms": 0.0, "select_ms": 0.0, "attention_ms": 0.0, "attention_unsplit_ms": 0.0, "total_layout_ms": 0.0}
     kept = causal = 0
     chunks = []
     for end in range(chunk, length + chunk, chunk):
@@ -120,9 +122,11 @@ def time_prefill(name: str, q_full, k, v, chunk: int, page_size: int, config, sc
         run_search = lambda: search.select_blocks(q, k_cache, table, cu, seqlens, layout, config, scale)  # noqa: B023, E731
         index = None if layout.all_dense else run_search()
         attend = lambda: attention.block_sparse_attention(*args, layout, index, scale, False, out)  # noqa: B023, E731
+        unsplit = lambda: attention.block_sparse_attention(*args, layout, index, scale, False, out, split_kv=False)  # noqa: B023, E731
         whole = lambda: sparse_prefill_attention(*args, config=config, softmax_scale=scale, out=out, layout=layout)  # noqa: B023, E731
         times = {"fa3_ms": cuda_time(fa3, repeats), "select_ms": 0.0 if index is None else cuda_time(run_search, repeats),
-                 "attention_ms": cuda_time(attend, repeats), "total_layout_ms": cuda_time(whole, repeats)}  # fmt: skip
+                 "attention_ms": cuda_time(attend, repeats), "attention_unsplit_ms": cuda_time(unsplit, repeats),
+                 "total_layout_ms": cuda_time(whole, repeats)}  # fmt: skip
         for stage, ms in times.items():
             totals[stage] += ms
         blocks = layout.causal_blocks() * k_cache.shape[2]
@@ -191,12 +195,13 @@ def main() -> None:
     for r in rows:
         print(f"| {cells(r)} | {r['speedup_vs_fa3']:.2f}x |")
     if args.prefill:
-        print("\n| input | length | chunk's queries x keys | sparse | density | FA3 ms | search ms | ours ms | vs FA3 |\n"
-              + "|---" * 9 + "|")  # fmt: skip
+        print("\n| input | length | chunk's queries x keys | sparse | density | FA3 ms | search ms | attention ms "
+              "(unsplit) | ours ms | vs FA3 |\n" + "|---" * 10 + "|")  # fmt: skip
         for r in rows:
             for c in r["chunks"]:
                 print(f"| {r['input']} | {r['length']} | {c['queries']} x {c['keys']} | {c['sparse']} | {c['density']:.3f} "
-                      f"| {c['fa3_ms']:.2f} | {c['select_ms']:.2f} | {c['total_layout_ms']:.2f} "
+                      f"| {c['fa3_ms']:.2f} | {c['select_ms']:.2f} | {c['attention_ms']:.2f} ({c['attention_unsplit_ms']:.2f}) "
+                      f"| {c['total_layout_ms']:.2f} "
                       f"| {c['fa3_ms'] / c['total_layout_ms']:.2f}x |")  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))

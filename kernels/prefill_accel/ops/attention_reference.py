@@ -118,3 +118,28 @@ def block_masked_attention(
         o, l = _attend(q[start:end].to(compute_dtype), k, v, allowed, scale, extra_logits, extra_values)
         out[start:end], lse[:, start:end] = o, l.float()
     return out, lse
+
+
+def split_plan(counts: torch.Tensor, group: int, slots: int, capacity: int, min_blocks: int, max_splits: int):
+    """The split-KV plan of a sparse launch (attention._plan_splits_kernel) from its kept-block counts
+    (total_q_blocks, num_kv_heads): a row whose walk over its kept blocks before the diagonal is
+    longer than two ranges of ``max(ceil(walked * group / slots), min_blocks)`` blocks walks them in
+    such ranges, at most ``max_splits`` of them, and
+    a row of several ranges takes that many consecutive scratch slots, in row order, while they last.
+    Returns per row its ranges, and per slot its row (-1 where unused) and range."""
+    walks = counts.flatten().long().cpu() - 1
+    per_split = max(-(-int(walks.sum()) * group // slots), min_blocks)
+    row_splits = []
+    slot_row, slot_split = [-1] * capacity, [0] * capacity
+    used = 0
+    for row, walk in enumerate(walks.tolist()):
+        splits = min(-(-walk // per_split), max_splits) if walk > 2 * per_split else 1
+        if splits > 1 and used + splits <= capacity:
+            row_splits.append(splits)
+            slot_row[used : used + splits] = [row] * splits
+            slot_split[used : used + splits] = range(splits)
+        else:
+            row_splits.append(1)
+        used += splits if splits > 1 else 0
+    as_int = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    return as_int(row_splits).view(counts.shape), as_int(slot_row), as_int(slot_split)

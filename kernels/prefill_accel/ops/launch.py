@@ -12,14 +12,17 @@ import triton
 from ..layout import BatchLayout
 from .common import INTERPRET, warn_once
 
-# Split-KV of long dense rows (layout.LONG_ROW_BLOCKS): each program takes at least MIN_SPLIT_BLOCKS
-# key blocks (2K keys at block 128, enough work to hide its launch and merge), at most MAX_SPLITS
-# programs per row (bounds the float32 scratch: splits x rows x block x heads x head_dim).
+# Split-KV by kept blocks (see split_slots): a row's walk is cut into ranges of at least
+# MIN_SPLIT_BLOCKS key blocks (2K keys at block 128, enough to pay for its share of the merge), at
+# most MAX_SPLITS of them. SPLIT_BALANCE: a range is 1/SPLIT_BALANCE of the launch's work per program
+# slot, PROGRAMS_PER_SM slots per multiprocessor (two of the default 128 x 64 tiles fit).
 MIN_SPLIT_BLOCKS = 16
 MAX_SPLITS = 16
-SPLIT_BLOCK_M = 64  # divides every supported block size
-SPLIT_BLOCK_N = 64
-HIDDEN_ROW_FACTOR = 2  # see split_pays
+SPLIT_BALANCE = 2
+PROGRAMS_PER_SM = 2
+MERGE_BLOCK_M = 64  # query rows per program of the merge; divides every supported block size
+# PREFILL_ACCEL_SPLIT_KV=0 leaves every row of a sparse launch to one program (to compare).
+SPLIT_KV = os.environ.get("PREFILL_ACCEL_SPLIT_KV", "1") != "0"
 EXACT_TILE_ROWS = 128  # sampled rows (x query heads of a group) sharing one key walk of the exact estimate
 EXACT_WAVES = 2  # see exact_splits
 MIN_EXACT_SPLIT_BLOCKS = 8  # 1K keys at block 128: enough walk per range to pay for its share of the merge
@@ -111,32 +114,30 @@ def kv_read_mode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return "tma" if capable and sixteen_bit and q.shape[2] in TMA_HEAD_DIMS and long_enough else "pointer"
 
 
-def long_rows_to_split(layout: BatchLayout, num_heads: int, device: torch.device) -> torch.Tensor | None:
-    """The layout's long dense rows when splitting them pays (always on the interpreter), else None."""
-    if layout.long_rows.numel() == 0:
-        return None
-    if device.type != "cuda":
-        return layout.long_rows
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return layout.long_rows if split_pays(layout, num_heads, sms) else None
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def split_pays(layout: BatchLayout, num_heads: int, sms: int) -> bool:
-    """Whether split-KV of the layout's long rows beats one program per row on ``sms`` multiprocessors.
+def plans_splits(programs: int) -> bool:
+    """Whether a sparse launch of ``programs`` (query blocks x query heads) gets a split plan: one of
+    the smallest autotuning class (size_class 0: a chunk of up to 16K queries at 12 heads, under eight
+    waves on an H200), unless PREFILL_ACCEL_SPLIT_KV=0. Larger launches, a whole long prompt in one
+    call, have rows enough of every length to balance themselves, and the plan's launches only cost
+    them time (docs/benchmarks.md, Split-KV by kept blocks); one class either way keeps what the
+    engine's warm-up compiles (engine.warmup) what serving launches."""
+    return SPLIT_KV and size_class(programs) == 0
 
-    It pays while the long rows alone would not fill the multiprocessors and their walk outlasts
-    the other query blocks' work. That work is not known before the search; each of them keeps at
-    least its sink, local and diagonal blocks, and when HIDDEN_ROW_FACTOR times that floor, per
-    multiprocessor, covers the longest walk, the rows (which start first) finish in its shadow and
-    a split only adds a launch and a merge (the measurements: docs/benchmarks.md, Split-KV of long
-    dense rows).
-    """
-    n = layout.long_rows.numel()
-    if n == 0 or n * num_heads >= sms:
-        return False
-    config = layout.config
-    floor = (layout.total_q_blocks - n) * (config.sink_blocks + config.local_blocks + 1) * num_heads / sms
-    return layout.long_row_blocks > HIDDEN_ROW_FACTOR * floor
+
+def split_slots(group: int, sms: int) -> tuple[int, int]:
+    """Program slots the split plan spreads a sparse launch over on ``sms`` multiprocessors
+    (SPLIT_BALANCE per program that runs at once, so a range is half a program's fair share of the
+    work), and the scratch slots it may fill with partial results (one query block of a KV group's
+    heads each). A row splits only when its walk exceeds two ranges, so the split rows hold at most
+    their walks over a range plus one slot each, together under ``2 * slots / group``
+    (docs/kernels.md, Split-KV by kept blocks)."""
+    slots = SPLIT_BALANCE * PROGRAMS_PER_SM * sms
+    return slots, -(-2 * slots // group) + MAX_SPLITS
 
 
 def exact_splits(layout: BatchLayout, programs: int, sms: int) -> int:
