@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import ctypes
+import inspect
 import itertools
 import multiprocessing
 import os
@@ -36,18 +37,23 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
-from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
 from prefill_accel import SparsePrefillConfig  # noqa: E402
 from prefill_accel.layout import BatchLayout  # noqa: E402
 from prefill_accel.ops import attention, search, staging  # noqa: E402
+from prefill_accel.ops.common import TENSOR_DESCRIPTORS, TensorDescriptor  # noqa: E402
+
+# K/V read modes this Triton compiles: TMA needs tensor descriptors (Triton >= 3.4; vLLM 0.6.3 runs 3.0).
+READ_MODES = ("pointer", "tma") if TENSOR_DESCRIPTORS else ("pointer",)
+# Triton 3.0 (beside torch 2.4) names the AST's fixed arguments `constants`, with the rest typed in
+# `signature`; later releases type every parameter, fixed ones as "constexpr", and fix them in `constexprs`.
+NAMED_CONSTANTS = "constants" in inspect.signature(ASTSource).parameters
 
 SHARED_LIMIT = {90: 232448}  # bytes per block with the opt-in maximum
 JOBS: list = []  # the launches to compile, shared with forked workers (kernels do not pickle)
@@ -63,7 +69,8 @@ def record_launches() -> list[tuple[JITFunction, dict, dict]]:
         options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
         bound = dict(zip(self.arg_names, args)) | kwargs
         # Descriptors are copied: an autotuning pre-hook reshapes the same object for the next tile.
-        bound = {name: copy.copy(value) if isinstance(value, TensorDescriptor) else value for name, value in bound.items()}
+        bound = {name: copy.copy(value) if TENSOR_DESCRIPTORS and isinstance(value, TensorDescriptor) else value
+                 for name, value in bound.items()}  # fmt: skip
         launches.append((self, bound, options))
 
     def autotuned_run(self, *args, grid, warmup, **kwargs):
@@ -89,11 +96,20 @@ def compile_launch(kernel: JITFunction, args: dict, options: dict, capability: i
     signature, constexprs = {}, {}
     for i, param in enumerate(kernel.params):
         value = argument(param, args)
-        if param.is_constexpr or value is None:
+        fixed = param.is_constexpr or value is None
+        if NAMED_CONSTANTS:
+            if fixed:
+                constexprs[param.name] = value
+            if not param.is_constexpr:
+                signature[param.name] = "*i8" if value is None else mangle_type(value)
+        elif fixed:
             signature[param.name], constexprs[(i,)] = "constexpr", value
         else:
             signature[param.name] = mangle_type(value)
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    if NAMED_CONSTANTS:
+        source = ASTSource(fn=kernel, signature=signature, constants=constexprs)
+    else:
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
 
 
@@ -109,6 +125,8 @@ def specialisation(kernel: JITFunction, args: dict) -> tuple:
     """How Triton specialises a launch's runtime arguments (type and value class: an int equal to 1, an
     int or address divisible by 16), as it does at a launch; the parameters a kernel leaves
     unspecialised give their type only."""
+    from triton._C.libtriton import native_specialize_impl  # Triton >= 3.4
+
     values = [(p, argument(p, args)) for p in kernel.params]
     return tuple((p.name, native_specialize_impl(BaseBackend, value, False, not p.do_not_specialize, True))
                  for p, value in values if not p.is_constexpr and value is not None)  # fmt: skip
@@ -139,7 +157,7 @@ def run_engine_batches() -> None:
             index.counts.fill_(1)  # nothing ran: give the host code an index it can read
             index.indices.zero_()
             staging.gather_kv(k_cache, k_cache, table, 0, lengths[0][1])
-            for reads in ("pointer", "tma"):
+            for reads in READ_MODES:
                 args = (q, k_cache, k_cache, table, cu, seqlens, layout)
                 attention.block_sparse_attention(*args, None, 0.1, False, None, kv_reads=reads)
                 attention.block_sparse_attention(*args, index, 0.1, False, None, kv_reads=reads)
@@ -168,8 +186,8 @@ def run_host_functions() -> None:
     split-KV) with pointer reads and TMA reads from a staged copy (pages of 16), and TMA reads in place
     (pages of 64)."""
     for head_dim in (64, 128, 256):
-        for page_size, modes in ((16, ("pointer", "tma")), (64, ("tma",))):
-            length = 36 * 128  # its last query block is a long row (layout.LONG_ROW_BLOCKS): split-KV runs
+        for page_size, modes in ((16, READ_MODES), (64, READ_MODES[1:])):
+            length = 36 * 128  # a launch of the smallest size class: the split-KV plan, ranges and merge launch too
             q = torch.zeros(length, 8, head_dim, dtype=torch.bfloat16)
             k_cache = torch.zeros(-(-length // page_size) + 1, page_size, 2, head_dim, dtype=torch.bfloat16)
             table = torch.arange(k_cache.shape[0] - 1, dtype=torch.int32).view(1, -1)
@@ -187,21 +205,38 @@ def run_host_functions() -> None:
                 attention.block_sparse_attention(*args, index, 0.1, True, None, kv_reads=reads)
 
 
-def die_with_parent() -> None:
-    """Pool initializer: a worker is killed when the process that forked it ends, however it ends (a
-    timeout's SIGKILL included), so no compile outlives the check."""
+def die_with_parent(parent: int | None = None) -> None:
+    """Pool initializer (and the start of each compile's child): a process is killed when the process
+    that forked it (``parent``, else the check) ends, however it ends (a timeout's SIGKILL included),
+    so no compile outlives the check."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != PARENT[0]:  # the parent ended before the call
+    if os.getppid() != (PARENT[0] if parent is None else parent):  # the parent ended before the call
         os._exit(1)
 
 
 def compile_one(number: int) -> tuple[str, int | None, str]:
-    """(kernel variant, shared bytes or None, error) of launch ``JOBS[number]``."""
+    """(kernel variant, shared bytes or None, error) of launch ``JOBS[number]``, compiled in a forked
+    child: a compiler that aborts (Triton 3.0 does on some layouts) is reported like an error."""
     kernel, named, options, capability, shape = JOBS[number]
-    try:
-        return shape, compile_launch(kernel, named, options, capability).metadata.shared, ""
-    except Exception as error:  # noqa: BLE001 - every failure is reported, then the script fails
-        return shape, None, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+    read, write = os.pipe()
+    worker = os.getpid()
+    child = os.fork()
+    if child == 0:
+        die_with_parent(worker)
+        os.close(read)
+        try:
+            result = str(compile_launch(kernel, named, options, capability).metadata.shared)
+        except Exception as error:  # noqa: BLE001 - every failure is reported, then the script fails
+            result = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+        os.write(write, result.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        result = pipe.read()
+    status = os.waitpid(child, 0)[1]
+    if os.WIFSIGNALED(status):
+        return shape, None, f"the compiler died of signal {os.WTERMSIG(status)}"
+    return (shape, int(result), "") if result.isdigit() else (shape, None, result)
 
 
 def main() -> int:
@@ -227,7 +262,7 @@ def main() -> int:
         types = tuple(t.split("[")[0] for t in key[2])  # a descriptor's block shape follows the tile
         groups[(key[0], tuple(kv for kv in key[1] if kv[0] not in tile), types)].append(shape)
         jobs.append((kernel, named, options, args.capability, shape))
-    print(f"compiling {len(jobs)} kernel variants with {args.jobs} workers", flush=True)
+    print(f"compiling {len(jobs)} kernel variants with {args.jobs} workers (triton {triton.__version__})", flush=True)
     PARENT[0] = os.getpid()
     for sig in (signal.SIGTERM, signal.SIGINT):  # stop at once; the workers follow (die_with_parent)
         signal.signal(sig, lambda number, frame: os._exit(128 + number))

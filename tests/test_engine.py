@@ -144,9 +144,9 @@ def test_kernels_that_cannot_import_keep_every_layer_dense_and_are_said_at_start
     assert attention.block_sparse_attention  # triton is imported whole before the hook, not half under it
     real_import = builtins.__import__
 
-    def no_descriptors(name, *args, **kwargs):
-        if name == "triton.tools.tensor_descriptor":
-            raise ImportError("cannot import name 'TensorDescriptor'")
+    def no_triton_language(name, *args, **kwargs):
+        if name == "triton.language":
+            raise ImportError("cannot import name 'language'")
         return real_import(name, *args, **kwargs)
 
     settings = settings_from_flags({})
@@ -155,12 +155,13 @@ def test_kernels_that_cannot_import_keep_every_layer_dense_and_are_said_at_start
     assert startup.kernels_unavailable() is None and dense_reason(LayerTraits(head_size=128), settings) is None
     startup.kernels_unavailable.cache_clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(builtins, "__import__", no_descriptors)
-    for module in ("prefill_accel.ops.staging", "prefill_accel.ops.attention", "prefill_accel.ops.search"):
+    monkeypatch.setattr(builtins, "__import__", no_triton_language)
+    for module in ("prefill_accel.ops.common", "prefill_accel.ops.staging", "prefill_accel.ops.attention",
+                   "prefill_accel.ops.search"):
         monkeypatch.delitem(sys.modules, module, raising=False)
     try:
         reason = startup.kernels_unavailable()
-        assert reason is not None and "need triton >= 3.4" in reason and "TensorDescriptor" in reason
+        assert reason is not None and "need triton >= 3.0" in reason and "'language'" in reason
         assert dense_reason(LayerTraits(head_size=128), settings) == reason
         with caplog.at_level(logging.INFO, logger="startup-test"):
             check_flags({}, True, FACTS, logging.getLogger("startup-test"))
@@ -169,6 +170,31 @@ def test_kernels_that_cannot_import_keep_every_layer_dense_and_are_said_at_start
     finally:
         monkeypatch.undo()
         startup.kernels_unavailable.cache_clear()
+
+
+def test_a_triton_without_tensor_descriptors_is_said_at_startup_on_a_gpu_with_tma(monkeypatch, caplog):
+    """Triton 3.0 (vLLM 0.6.3's) on an H100/H200: the kernels run, reading K/V through the page table,
+    and the startup line after the settings says so; on older GPUs, or with tensor descriptors, nothing."""
+    from prefill_accel.ops import common
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(startup, "kernels_unavailable", lambda: None)
+    monkeypatch.setattr(common, "TENSOR_DESCRIPTORS", False)
+    for capability, said in ((8, False), (9, True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda capability=capability: (capability, 0))
+        startup.kernels_without_tma.cache_clear()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="startup-test"):
+            check_flags({}, True, FACTS, logging.getLogger("startup-test"))
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 + said and all(r.levelname == "INFO" for r in caplog.records)
+        if said:
+            assert lines[1].startswith("SPARSE_PREFILL: triton ") and "no tensor descriptors (triton >= 3.4)" in lines[1]
+            assert lines[1].endswith("through the page table, not with TMA bulk copies")
+    monkeypatch.setattr(common, "TENSOR_DESCRIPTORS", True)
+    startup.kernels_without_tma.cache_clear()
+    assert startup.kernels_without_tma() is None
+    startup.kernels_without_tma.cache_clear()
 
 
 def test_the_warm_up_runs_each_path_a_server_meets_once(monkeypatch, caplog):

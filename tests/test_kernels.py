@@ -20,6 +20,9 @@ from prefill_accel import layout as layout_module
 from prefill_accel.ops import attention, attention_reference, common, launch, search, search_reference, staging, staging_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# TMA reads need tensor descriptors: Triton >= 3.4 (vLLM 0.6.3's Triton 3.0 reads through the page table)
+needs_tma = pytest.mark.skipif(not common.TENSOR_DESCRIPTORS, reason="this Triton has no tensor descriptors")
+KV_READS = ["pointer", pytest.param("tma", marks=needs_tma)]
 TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
 # A fresh prefill, a continuation chunk starting mid-block, and a short chunk with a long prefix.
 MIXED = dict(q_lens=[200, 70, 33], k_lens=[200, 300, 161])
@@ -84,7 +87,7 @@ def force_splits(monkeypatch, capacity: int = 30, max_splits: int = 3) -> None:
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
-@pytest.mark.parametrize("kv_reads", ["pointer", "tma"])
+@pytest.mark.parametrize("kv_reads", KV_READS)
 def test_split_rows_match_the_reference(monkeypatch, page_size, heads, kv_reads):
     """Rows walked in several key ranges and merged (the forced-dense last query blocks, a short
     chunk after a long prefix, sparse rows), beside rows left whole once the scratch slots run out;
@@ -211,6 +214,7 @@ def poison_rows_past_the_end(batch) -> None:
     batch.v_cache[~used] = float("nan")
 
 
+@needs_tma
 @pytest.mark.parametrize("page_size", [1, 16, 64], ids=["staged-page1", "staged-page16", "direct-page64"])
 @pytest.mark.parametrize("threshold", [0.0, 0.5], ids=["dense", "sparse"])
 def test_tma_reads_match_the_reference(monkeypatch, page_size, threshold):
@@ -232,6 +236,7 @@ def test_tma_reads_match_the_reference(monkeypatch, page_size, threshold):
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
 
 
+@needs_tma
 def test_tma_staging_in_head_groups_with_mean_correction(monkeypatch):
     """A staging budget below one KV head's copy: each head is staged and launched on its own."""
     monkeypatch.setattr(launch, "KV_READS", "tma")
@@ -282,16 +287,16 @@ def test_gathered_keys_and_values_of_a_sequence(page_size, head_dim):
 def test_kv_read_mode_and_direct_tma_pages(monkeypatch):
     narrow = make_batch([64], [64], head_dim=64, device=DEVICE)
     wide = make_batch([64], [64], head_dim=128, page_size=64, device=DEVICE)
-    hopper = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    hopper = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9 and common.TENSOR_DESCRIPTORS
     assert launch.kv_read_mode(narrow.q, narrow.k_cache, narrow.v_cache) == "pointer"
     assert launch.kv_read_mode(wide.q, wide.k_cache, wide.v_cache) == ("tma" if hopper else "pointer")
     long_sparse = launch.kv_read_mode(wide.q, wide.k_cache, wide.v_cache, sparse_context=32768)
     assert long_sparse == ("tma" if hopper else "pointer")
     assert launch.kv_read_mode(wide.q, wide.k_cache, wide.v_cache, sparse_context=16384) == "pointer"
-    for forced in ("tma", "pointer"):
+    for forced in ("tma", "pointer") if common.TENSOR_DESCRIPTORS else ("pointer",):
         monkeypatch.setattr(launch, "KV_READS", forced)
         assert launch.kv_read_mode(narrow.q, narrow.k_cache, narrow.v_cache) == forced
-    if not hopper:  # forced TMA where the GPU has none: page-table reads, one warning
+    if common.TENSOR_DESCRIPTORS and not hopper:  # forced TMA where the GPU has none: page-table reads, one warning
         monkeypatch.setattr(launch, "KV_READS", "tma")
         monkeypatch.setattr(launch, "INTERPRET", False)
         monkeypatch.setattr(common, "_warned", set())
@@ -304,6 +309,23 @@ def test_kv_read_mode_and_direct_tma_pages(monkeypatch):
     assert staging.pages_hold_tiles(wide.k_cache)
     heads_apart = wide.k_cache.transpose(1, 2).contiguous().transpose(1, 2)
     assert not staging.pages_hold_tiles(heads_apart), "a row of the cache must hold every head side by side"
+
+
+def test_a_triton_without_tensor_descriptors_reads_through_the_page_table(monkeypatch):
+    """Triton < 3.4 (vLLM 0.6.3 runs 3.0): TMA forced by the environment reads through the page table
+    with one warning naming the Triton it needs; asked of the kernel directly, it is refused."""
+    batch = make_batch([64], [64], head_dim=128, page_size=64, device=DEVICE)
+    monkeypatch.setattr(launch, "TENSOR_DESCRIPTORS", False)
+    monkeypatch.setattr(attention, "TENSOR_DESCRIPTORS", False)
+    monkeypatch.setattr(common, "_warned", set())
+    assert launch.kv_read_mode(batch.q, batch.k_cache, batch.v_cache) == "pointer"
+    monkeypatch.setattr(launch, "KV_READS", "tma")
+    with pytest.warns(RuntimeWarning, match="needs Triton >= 3.4"):
+        assert launch.kv_read_mode(batch.q, batch.k_cache, batch.v_cache) == "pointer"
+    layout = layout_module.BatchLayout.build(batch.cu_seqlens_q, batch.seqlens_k, sparse_config(), batch.q.device)
+    with pytest.raises(ValueError, match="kv_reads='tma' needs Triton >= 3.4"):
+        attention.block_sparse_attention(batch.q, batch.k_cache, batch.v_cache, batch.page_table, batch.cu_seqlens_q,
+                                         batch.seqlens_k, layout, None, 0.1, False, None, kv_reads="tma")  # fmt: skip
 
 
 @pytest.mark.parametrize(

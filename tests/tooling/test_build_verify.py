@@ -31,7 +31,7 @@ LOG_TO_STDOUT = "import logging, sys; logging.basicConfig(level=logging.INFO, st
 def built_venv(tmp_path_factory):
     venv = tmp_path_factory.mktemp("build") / "venv"
     env = dict(os.environ, PREFILL_ACCEL_TOOL_PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "build.sh"), VENV_TARGET, "--venv", str(venv)],
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "build.sh"), VENV_TARGET, "--venv", str(venv), "--cpu"],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"Built virtualenv {venv}" in proc.stdout
@@ -56,7 +56,7 @@ def test_built_sglang_venv_imports_the_patched_modules(tmp_path, targets):
     is registered."""
     venv = tmp_path / "sglang-venv"
     env = dict(os.environ, PREFILL_ACCEL_TOOL_PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "build.sh"), "sglang-0.5.16", "--venv", str(venv)],
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "build.sh"), "sglang-0.5.16", "--venv", str(venv), "--cpu"],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     code = (LOG_TO_STDOUT + "import sglang.srt.entrypoints.engine as e, sglang.srt.managers.scheduler as s, "
@@ -84,6 +84,16 @@ def test_upstream_scheduler_tests_pass_against_the_installed_patched_engine(buil
         cwd=tests.parent, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout.splitlines()[-1] and "failed" not in proc.stdout.splitlines()[-1]
+
+
+def test_every_kernel_compiles_for_hopper_under_the_triton_of_vllm_0_6(built_venv):
+    """The environment of vLLM 0.6.3 holds the Triton its torch 2.4 pins (3.0, no tensor descriptors):
+    scripts/compile_check.py compiles every kernel launch of the page-table read path for sm_90 with it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([str(built_venv), str(ROOT / "scripts" / "compile_check.py")], capture_output=True,
+                          text=True, env=env, timeout=1800)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "(triton 3.0.0)" in proc.stdout and "; 0 failures" in proc.stdout, proc.stdout[-4000:]
 
 
 def test_verify_passes_with_counts_for_both_trees(built_venv, targets):

@@ -18,7 +18,8 @@ import pytest
 
 from prefill_accel.errors import UsageError
 from prefill_accel.progress import Progress
-from prefill_accel.tooling import commands, images, registry, standin
+from prefill_accel import cli
+from prefill_accel.tooling import commands, envbuild, images, registry, standin
 
 from .conftest import ROOT, TARGET_NAMES
 from .dockerfile import resolve
@@ -125,8 +126,55 @@ def test_the_no_builder_message_says_what_to_install_or_start(monkeypatch):
 
 def _build_args(**overrides) -> argparse.Namespace:
     values = dict(target="vllm-0.26.0", venv=None, builder=None, stand_in_base=False,
-                  debian_mirror=None, quiet=True)
+                  debian_mirror=None, quiet=True, gpu=None)
     return argparse.Namespace(**{**values, **overrides})
+
+
+@pytest.fixture
+def venv_steps(monkeypatch, tmp_path):
+    """The commands a venv build runs, recorded instead of run; the wheel a file named as the target's."""
+    ran = []
+
+    def run(cmd, env=None):
+        ran.append([str(part) for part in cmd])
+        if cmd[1:3] == ["-m", "venv"]:
+            Path(cmd[3]).mkdir(parents=True)
+        return str(tmp_path / "site") if "sysconfig" in " ".join(map(str, cmd)) else ""
+
+    monkeypatch.setattr(envbuild, "_run", run)
+    monkeypatch.setattr(envbuild.registry, "fetch_file", lambda engine, name, sha, root, progress: tmp_path / name)
+    return ran
+
+
+@pytest.mark.parametrize("listed, flag, gpu", [
+    (True, None, True), (False, None, False), (False, True, True), (True, False, False)])
+def test_a_venv_build_installs_the_cuda_dependencies_where_a_gpu_is_listed_or_asked(venv_steps, monkeypatch, capsys,
+                                                                                    tmp_path, listed, flag, gpu):  # fmt: skip
+    """--gpu (the default where nvidia-smi lists a GPU): the engine wheel with the dependencies it pins, as
+    the official image installs it, no CPU set and nothing removed; --cpu (the default without one): the
+    CPU set, the wheel --no-deps, the CPU-breaking files removed. Both end in the image's install step."""
+    monkeypatch.setattr(envbuild, "gpu_listed", lambda: listed)
+    target = "vllm-0.6.3.post1"
+    assert commands._run_build(_build_args(target=target, venv=tmp_path / "v", gpu=flag)) == 0
+    installs = [cmd[cmd.index("install"):] for cmd in venv_steps if cmd[1:4] == ["-m", "pip", "install"]]
+    wheel = str(tmp_path / "vllm-0.6.3.post1-cp38-abi3-manylinux1_x86_64.whl")
+    if gpu:
+        constraints = tmp_path / "v" / "prefill-accel-constraints.txt"
+        assert installs == [["install", "-q", "-c", str(constraints), wheel]]
+        assert constraints.read_text().splitlines() == ["transformers==4.46.3", "tokenizers==0.20.3"]
+    else:
+        assert installs == [["install", "-q", "--no-deps", "-r", str(ROOT / "docker/requirements/vllm-0.6.3.post1-cpu.txt")],
+                            ["install", "-q", "--no-deps", wheel]]  # fmt: skip
+    assert venv_steps[-1][:3] == ["bash", str(ROOT / "scripts/install-into-env.sh"), target]
+    out = capsys.readouterr().out
+    assert ("and its CUDA dependencies." if gpu else "and its CPU import/test dependencies (no GPU runs).") in out
+
+
+def test_gpu_and_cpu_pick_a_venv_flavour_and_need_venv():
+    with pytest.raises(UsageError, match="--gpu picks the virtualenv's dependencies: pass --venv DIR too"):
+        commands._run_build(_build_args(gpu=True))
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["build", "vllm-0.6.x", "--venv", "v", "--gpu", "--cpu"])
 
 
 def test_build_refuses_a_venv_with_an_image_option(tmp_path):

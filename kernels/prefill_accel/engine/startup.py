@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 from ..flags import SparsePrefillSettings, changed_flags, flag, help_text, settings_from_flags
 
-KERNELS_NEED_TRITON = "3.4"
-"""The oldest Triton the kernels import with: their TMA reads use triton.tools.tensor_descriptor,
-stable since Triton 3.4."""
+KERNELS_NEED_TRITON = "3.0"
+"""The oldest Triton the kernels run with: 3.0, the one torch 2.4 (vLLM 0.6.3) pins, compiles them all
+for sm_90 (scripts/compile_check.py) and runs them in its interpreter. Their TMA reads need tensor
+descriptors (Triton >= 3.4, ops.common.TMA_NEEDS_TRITON); under an older Triton every K/V tile is
+read through the page table, which the startup line says."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ def check_flags(values: dict[str, object], selected: bool, facts: EngineFacts, l
     missing = kernels_unavailable()
     if missing is not None:
         logger.warning("%s cannot run its kernels here: %s; every layer uses %s", facts.backend, missing, facts.dense)
+    elif (limit := kernels_without_tma()) is not None:
+        logger.info("%s: %s", facts.backend, limit)
     return settings
 
 
@@ -85,6 +89,22 @@ def kernels_unavailable() -> str | None:
             found = "no triton"
         return f"its Triton kernels do not import with {found} ({error}); they need triton >= {KERNELS_NEED_TRITON}"
     return None
+
+
+@functools.cache
+def kernels_without_tma() -> str | None:
+    """What the kernels do without bulk tensor copies on a GPU that has them (compute capability 9.0
+    and later) under a Triton without tensor descriptors; None where that does not apply."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        return None
+    from ..ops import common
+
+    if common.TENSOR_DESCRIPTORS:
+        return None
+    return (f"triton {common.triton.__version__} has no tensor descriptors (triton >= {common.TMA_NEEDS_TRITON}): "
+            "the kernels read K/V tiles through the page table, not with TMA bulk copies")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,6 @@ masked causally, optionally the pruned blocks through their mean key and value; 
 than the launch's others split over several programs and merged (split-KV, planned on the GPU from
 the kept-block counts). The reference is attention_reference.py."""
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 
@@ -15,7 +13,7 @@ import triton.language as tl
 
 from ..layout import BatchLayout, BlockIndex
 from . import launch, staging
-from .common import LOG2E, dot, jit_per_batch, kv_tile
+from .common import LOG2E, TENSOR_DESCRIPTORS, TMA_NEEDS_TRITON, dot, jit_per_batch, kv_tile
 from .search import pool_blocks
 
 
@@ -247,7 +245,7 @@ def _attention_kernel(
                     j = j0 + cols
                     pruned = (j < pos) & (tl.load(keep_mask + index_row + j, mask=j < pos, other=1) == 0)
                     mean_k = tl.load(pooled_k + pooled_row + j[:, None] * stride_pj + dims[None, :], mask=pruned[:, None], other=0.0)
-                    logits = dot(q_tile, tl.trans(mean_k.to(q_tile.dtype))) * qk_scale + math.log2(BLOCK)
+                    logits = dot(q_tile, tl.trans(mean_k.to(q_tile.dtype))) * qk_scale + tl.log2(BLOCK * 1.0)
                     logits = tl.where(pruned[None, :], logits, float("-inf"))
                     mean_v = tl.load(pooled_v + pooled_row + j[:, None] * stride_pj + dims[None, :], mask=pruned[:, None], other=0.0)
                     row_max, row_sum, acc = _online_softmax_step(logits, mean_v, row_max, row_sum, acc)
@@ -456,6 +454,9 @@ def block_sparse_attention(
 
     sparse_context = 0 if dense else max(layout.k_lens)
     mode = launch.kv_read_mode(q, k_cache, v_cache, sparse_context) if kv_reads == "auto" else kv_reads
+    if mode == "tma" and not TENSOR_DESCRIPTORS:
+        raise ValueError(f"kv_reads='tma' needs Triton >= {TMA_NEEDS_TRITON} (tensor descriptors); "
+                         f"this is {triton.__version__}")
     if mode == "pointer":
         attend(k_cache, v_cache, page_table, (None, None), range(num_kv))
     elif staging.pages_hold_tiles(k_cache) and staging.pages_hold_tiles(v_cache):

@@ -1,7 +1,9 @@
 """What every Triton kernel of the package shares: the interpreter switch, the dot product that is
-exact under it, and reads of K/V rows through a page table."""
+exact under it, whether this Triton has tensor descriptors (TMA), and reads of K/V rows through a
+page table.
 
-from __future__ import annotations
+The modules of ``ops`` that hold kernels keep their annotations evaluated (no postponed annotations):
+Triton 3.0's interpreter recognises a ``tl.constexpr`` parameter by its annotation object only."""
 
 import os
 import warnings
@@ -9,11 +11,20 @@ import warnings
 import triton
 import triton.language as tl
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton < 3.4 (torch 2.4 brings 3.0): every K/V read goes through the page table
+    TensorDescriptor = None
+
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # The interpreter (triton 3.6-3.8) multiplies bf16 tl.dot operands as raw integers. Products of
 # bf16/fp16 values are exact in float32, so upcasting first computes what the tensor cores do.
 DOT_IN_FP32 = tl.constexpr(INTERPRET)
+TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
+TENSOR_DESCRIPTORS = TensorDescriptor is not None
+"""Whether K/V tiles can be brought by bulk tensor copies (TMA): triton.tools.tensor_descriptor, Triton >= 3.4."""
+TMA_NEEDS_TRITON = "3.4"
 
 
 def jit_per_batch(*names: str):
@@ -32,6 +43,15 @@ def dot(a, b):
     if DOT_IN_FP32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a, b)
+
+
+@triton.jit
+def dot_add(a, b, acc):
+    """acc + a @ b, accumulated in the product's own layout (Triton 3.0 cannot add two Hopper MMA
+    results of different layouts: its compiler aborts on the conversion)."""
+    if DOT_IN_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit

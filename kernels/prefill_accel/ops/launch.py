@@ -10,7 +10,7 @@ import torch
 import triton
 
 from ..layout import BatchLayout
-from .common import INTERPRET, warn_once
+from .common import INTERPRET, TENSOR_DESCRIPTORS, TMA_NEEDS_TRITON, TRITON_VERSION, warn_once
 
 # Split-KV by kept blocks (see split_slots): a row's walk is cut into ranges of at least
 # MIN_SPLIT_BLOCKS key blocks (2K keys at block 128, enough to pay for its share of the merge), at
@@ -99,11 +99,15 @@ def size_class(programs: int) -> int:
 
 def kv_read_mode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sparse_context: int = 0) -> str:
     """"tma" for 16-bit caches at a head size in TMA_HEAD_DIMS on CUDA GPUs with bulk tensor copies
-    (compute capability 9.0 and later), in dense mode or for a sparse launch whose longest sequence
-    (``sparse_context``; 0 in dense mode) has TMA_SPARSE_MIN_KEYS keys; else "pointer".
-    PREFILL_ACCEL_KV_READS=pointer (or tma) decides instead; tma where the GPU has no bulk tensor
-    copies reads through the page table, with one warning."""
-    capable = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+    (compute capability 9.0 and later) under a Triton that has tensor descriptors (3.4 and later), in
+    dense mode or for a sparse launch whose longest sequence (``sparse_context``; 0 in dense mode) has
+    TMA_SPARSE_MIN_KEYS keys; else "pointer". PREFILL_ACCEL_KV_READS=pointer (or tma) decides instead;
+    tma where the GPU or Triton lacks it reads through the page table, with one warning."""
+    if KV_READS == "tma" and not TENSOR_DESCRIPTORS:
+        warn_once(f"PREFILL_ACCEL_KV_READS=tma needs Triton >= {TMA_NEEDS_TRITON} (tensor descriptors), this is "
+                  f"{triton.__version__}: reading K/V through the page table")  # fmt: skip
+        return "pointer"
+    capable = TENSOR_DESCRIPTORS and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
     if KV_READS == "tma" and not (capable or INTERPRET):
         warn_once("PREFILL_ACCEL_KV_READS=tma needs compute capability 9.0 or later: reading K/V through the page table")
         return "pointer"
@@ -160,12 +164,14 @@ def search_launch(head_dim: int, scored_rows: int, means: bool, bounds: bool) ->
     32. Searches with more than 256 operand values per key block run unpipelined (with fp32 operands,
     the pipelined bound search at head_dim 256 asked for 288 KB of shared memory), and bound searches
     at head_dim 256 take half the rows. At least 16 rows: the smallest tile tl.dot multiplies (the
-    padding rows are masked)."""
+    padding rows are masked). Triton before 3.4 keeps the bound search at head_dim 256 on 4 warps: with 8,
+    Triton 3.0's compiler aborts on it (an MMA layout conversion it has for Ampere only;
+    scripts/compile_check.py, 2026-12-03)."""
     row_chunk = max(16, min(64 if bounds and head_dim > 128 else 128, triton.next_power_of_2(scored_rows)))
     options = dict(BLOCK_J=64, num_warps=4)
     if head_dim > 128 or (bounds and not means):
         options["BLOCK_J"] = 32
-    if head_dim > 128 and not INTERPRET:
+    if head_dim > 128 and not INTERPRET and not (bounds and TRITON_VERSION < (3, 4)):
         options["num_warps"] = 8
     if head_dim * (means + 2 * bounds) > 256:
         options["num_stages"] = 1

@@ -2,15 +2,12 @@
 copies (TMA) read when the cache's own pages are narrower than a key tile, the TMA descriptors,
 and the per-sequence gather of the cuDNN dense route. The reference is staging_reference.py."""
 
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..layout import BatchLayout
-from .common import jit_per_batch, kv_slots
+from .common import TensorDescriptor, jit_per_batch, kv_slots
 
 
 @jit_per_batch("page_table", "seqlens_k", "stride_pt", "kv_head_base")

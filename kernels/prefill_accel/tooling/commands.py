@@ -101,6 +101,14 @@ def _configure_build(p):
     _target_arg(p)
     p.add_argument("--venv", type=Path, metavar="DIR",
                    help="build a virtualenv in DIR instead of an image (the default where no image builder works)")
+    flavour = p.add_mutually_exclusive_group()
+    flavour.add_argument("--gpu", action="store_true", default=None,
+                         help="with --venv: the engine with the dependencies its wheel pins (CUDA torch, Triton, "
+                              "its CUDA kernels), as the official image installs it (the default where nvidia-smi "
+                              "lists a GPU)")
+    flavour.add_argument("--cpu", dest="gpu", action="store_false",
+                         help="with --venv: the pinned CPU import/test dependencies, no CUDA packages (the default "
+                              "without a GPU)")
     p.add_argument("--builder", choices=BUILDERS,
                    help="image builder (default: docker where a Docker engine answers, else buildah where installed)")
     p.add_argument("--stand-in-base", action="store_true",
@@ -121,6 +129,8 @@ def _run_build(args) -> int:
     progress = progress_of(args)
     if args.venv is not None and (args.builder or args.stand_in_base):
         raise UsageError("--venv builds a virtualenv, not an image: drop --builder and --stand-in-base")
+    if args.venv is None and args.gpu is not None:
+        raise UsageError(f"--{'gpu' if args.gpu else 'cpu'} picks the virtualenv's dependencies: pass --venv DIR too")
     builder = None if args.venv is not None else images.choose_builder(args.builder)
     if builder is None and args.stand_in_base:
         raise UsageError(f"--stand-in-base builds images: {images.no_builder_message()}")
@@ -142,8 +152,13 @@ def _run_build(args) -> int:
     venv = args.venv or targets.root / "build" / "venv" / target.name
     if args.venv is None:
         progress.note(f"{images.no_builder_message()}: building the virtualenv flavour instead (same install step).")
-    python = envbuild.build_venv(target, targets.root, venv, progress)
-    print(f"Built virtualenv {venv} with patched {target.name} (series hash {series}).\nUse it:\n  "
+    gpu = envbuild.gpu_listed() if args.gpu is None else args.gpu
+    if args.gpu is None:
+        progress.note("A GPU is listed: building with the engine's CUDA dependencies (--cpu for the CPU set)." if gpu
+                      else "No GPU listed: building with the CPU import/test dependencies (--gpu for the CUDA set).")
+    python = envbuild.build_venv(target, targets.root, venv, progress, gpu=gpu)
+    flavour = "its CUDA dependencies" if gpu else "its CPU import/test dependencies (no GPU runs)"
+    print(f"Built virtualenv {venv} with patched {target.name} (series hash {series}) and {flavour}.\nUse it:\n  "
           f"{shlex.quote(str(python))} -c 'import {target.package}'\nThe image flavour (needs an image builder "
           f"and a GPU) runs as:\n  " + target.run_example.format(image=target.image))
     return 0

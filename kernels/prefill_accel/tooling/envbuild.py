@@ -3,7 +3,9 @@
 Both flavours end in the same install step, scripts/install-into-env.sh (-> `prefill-accel install`):
   image  docker/Dockerfile.<engine>, FROM the target's official image, runs the script inside it (images.py)
   venv   a fresh virtualenv with the pinned engine wheel installed --no-deps, the pinned CPU import/test
-         dependencies (docker/requirements/), the target's CPU-breaking files removed, then the script
+         dependencies (docker/requirements/), the target's CPU-breaking files removed, then the script;
+         with --gpu the pinned engine wheel with the dependencies its metadata pins (torch with its CUDA
+         libraries, Triton, the engine's CUDA kernels), as the official image installs it, then the script
 
 The same virtualenv without the install step is `verify`'s cached test environment (cached_test_env).
 """
@@ -35,11 +37,12 @@ def series_hash(target: Target, root: Path) -> str:
     return content_hash(Series(target.patch_dir(root)), overlay_files(target, root))
 
 
-def build_venv(target: Target, root: Path, venv: Path, progress: Progress) -> Path:
-    """A virtualenv holding the patched engine; returns its python."""
+def build_venv(target: Target, root: Path, venv: Path, progress: Progress, gpu: bool = False) -> Path:
+    """A virtualenv holding the patched engine, runnable on a GPU with ``gpu`` (else it imports and
+    runs its CPU tests only); returns its python."""
     if venv.exists() and any(venv.iterdir()):
         raise UsageError(f"{venv} exists and is not empty; pass a new directory to --venv")
-    python = _engine_venv(target, root, venv, progress)
+    python = _gpu_engine_venv(target, root, venv, progress) if gpu else _engine_venv(target, root, venv, progress)
     with progress.step(f"Running {INSTALL_SCRIPT} (the image's install step)"):
         env = dict(os.environ, PREFILL_ACCEL_TOOL_PYTHON=sys.executable)
         _run(["bash", str(root / INSTALL_SCRIPT), target.name, "--python", str(python)], env=env)
@@ -102,6 +105,34 @@ def _engine_venv(target: Target, root: Path, venv: Path, progress: Progress) -> 
     site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
     remove_cpu_breaking_files(target, site)
     return python
+
+
+def _gpu_engine_venv(target: Target, root: Path, venv: Path, progress: Progress) -> Path:
+    """A virtualenv with the pinned engine wheel and the dependencies pip resolves from its metadata (for
+    vLLM 0.6.3.post1: torch 2.4.0 with its CUDA 12 libraries, Triton 3.0.0, xformers), the install the
+    official image is built from, its open-ended requirements held by the target's gpu_constraints; not
+    yet patched. Returns its python."""
+    python = venv / "bin" / "python"
+    with progress.step(f"Creating virtualenv {venv}"):
+        _run([sys.executable, "-m", "venv", str(venv)])
+    held = []
+    if target.gpu_constraints:
+        constraints = venv / "prefill-accel-constraints.txt"
+        constraints.write_text("\n".join(target.gpu_constraints) + "\n")
+        held = ["-c", str(constraints)]
+    wheel = registry.fetch_file(target.engine, target.wheel, target.wheel_sha256, root, progress)
+    pinned = f"its pinned dependencies (torch {target.torch} and its CUDA libraries)"
+    with progress.step(f"Installing {wheel.name} with {pinned}"):
+        _run([str(python), "-m", "pip", "install", "-q", *held, str(wheel)])
+    return python
+
+
+def gpu_listed() -> bool:
+    """Whether nvidia-smi lists a GPU on this machine."""
+    if shutil.which("nvidia-smi") is None:
+        return False
+    proc = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return proc.returncode == 0 and proc.stdout.lstrip().startswith("GPU ")
 
 
 def remove_cpu_breaking_files(target: Target, site: Path) -> None:

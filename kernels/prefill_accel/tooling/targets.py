@@ -41,6 +41,7 @@ class Target:
     cpu_test_models: tuple[str, ...] = ()
     venv_requirements: str = ""
     venv_remove: tuple[str, ...] = ()
+    gpu_constraints: tuple[str, ...] = ()
     overlay_replaces: tuple[str, ...] = ()
     run_example: str = ""
 

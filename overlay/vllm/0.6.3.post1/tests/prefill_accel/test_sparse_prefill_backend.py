@@ -1,16 +1,16 @@
 """prefill-accel: the SPARSE_PREFILL attention backend on vLLM 0.6.3 (V0), on CPU: the glue from V0's
-metadata to the kernel's arguments.
+metadata to the kernel's arguments, with the kernel itself.
 
-FlashAttention's CUDA kernels and the cache-write op are replaced by prefill_accel's float32
-reference (the real ones need a GPU), and so is the sparse kernel: vLLM 0.6.3 does not import with a
-Triton new enough for the kernels (its triton_utils use an API that Triton 3.8 removed), so this
-environment has none; the kernels are checked against the same references in prefill-accel's own
-suite, with the interpreter. The stand-in runs the reference block search and masked attention, so
-pruning is real here. A step mixes a long continuation chunk (prefix in the cache, goes sparse), a
-short prefill (FlashAttention) and two decodes (FlashAttention with the KV cache).
+Long prefill rows run through prefill_accel's Triton kernels under the Triton that torch 2.4 (vLLM
+0.6.3's image) pins, 3.0, in its interpreter (the test environment holds it:
+docker/requirements/vllm-0.6.3.post1-cpu.txt); FlashAttention's CUDA kernels and the cache-write op
+are replaced by prefill_accel's float32 reference (the real ones need a GPU). A step mixes a long
+continuation chunk (prefix in the cache, goes sparse), a short prefill (FlashAttention) and two
+decodes (FlashAttention with the KV cache).
 """
 
 import argparse
+import os
 import re
 import sys
 import types
@@ -18,8 +18,11 @@ import types
 import pytest
 import torch
 
-from prefill_accel import BatchLayout  # noqa: E402
-from prefill_accel.ops import attention_reference, search_reference  # noqa: E402
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from prefill_accel import BatchLayout, sparse_prefill_attention  # noqa: E402
+from prefill_accel.ops import attention_reference  # noqa: E402
 from prefill_accel.flags import SUFFIXES, settings_from_flags  # noqa: E402
 
 
@@ -54,17 +57,6 @@ BATCH = [(200, 100), (40, 20), (1, 50), (1, 70)]
 NUM_PREFILLS = 2
 
 
-def reference_sparse(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, *, config, softmax_scale, out,
-                     layout):
-    """The kernel's contract by the references: search, then attention over the kept blocks."""
-    assert layout.q_lens == tuple(cu_seqlens_q.diff().tolist()) and layout.k_lens == tuple(seqlens_k.tolist())
-    index = search_reference.select_blocks(q, k_cache, page_table, cu_seqlens_q, seqlens_k, config, softmax_scale)
-    o, lse = attention_reference.block_masked_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, index,
-                                              softmax_scale, config.mean_correction)
-    out.copy_(o.to(out.dtype))
-    return out, lse
-
-
 def write_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
     key_cache.view(-1, KV_HEADS, HEAD_DIM)[slot_mapping] = key
     value_cache.view(-1, KV_HEADS, HEAD_DIM)[slot_mapping] = value
@@ -72,7 +64,8 @@ def write_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype
 
 @pytest.fixture
 def step(monkeypatch):
-    """The backend with FlashAttention and the cache write on the reference; spies on each path."""
+    """The backend with FlashAttention and the cache write on the reference, the kernel itself for the
+    sparse path; spies on each path."""
     calls = {"sparse": [], "varlen": [], "kvcache": []}
 
     def spy(name, fn):
@@ -81,7 +74,7 @@ def step(monkeypatch):
             return fn(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(sparse_prefill_attn, "sparse_prefill_attention", spy("sparse", reference_sparse))
+    monkeypatch.setattr(sparse_prefill_attn, "sparse_prefill_attention", spy("sparse", sparse_prefill_attention))
     monkeypatch.setattr(sparse_prefill_attn, "flash_attn_varlen_func", spy("varlen", _reference_varlen))
     monkeypatch.setattr(sparse_prefill_attn, "flash_attn_with_kvcache", spy("kvcache", _reference_with_kvcache))
     monkeypatch.setattr(sparse_prefill_attn, "ops", types.SimpleNamespace(reshape_and_cache_flash=write_cache))
@@ -151,10 +144,9 @@ def test_sparse_rows_equal_the_kernel_on_that_request_alone(step):
     output = impl.forward(query, key, value, kv_cache, metadata)
     cu = torch.tensor([0, 200], dtype=torch.int32)
     layout = BatchLayout.build(cu, metadata.seq_lens_tensor[:1], impl.settings.kernel, "cpu")
-    alone = torch.empty(200, HEADS, HEAD_DIM, dtype=query.dtype)
-    reference_sparse(query[:200].view(-1, HEADS, HEAD_DIM), kv_cache[0], kv_cache[1], metadata.block_tables[:1], cu,
-                     metadata.seq_lens_tensor[:1], config=impl.settings.kernel, softmax_scale=HEAD_DIM**-0.5,
-                     out=alone, layout=layout)
+    alone, _ = sparse_prefill_attention(query[:200].view(-1, HEADS, HEAD_DIM), kv_cache[0], kv_cache[1],
+                                        metadata.block_tables[:1], cu, metadata.seq_lens_tensor[:1],
+                                        config=impl.settings.kernel, softmax_scale=HEAD_DIM**-0.5, layout=layout)
     torch.testing.assert_close(output[:200].view(-1, HEADS, HEAD_DIM), alone, atol=0, rtol=0)
     expected = dense_expected(query, kv_cache, metadata)
     assert (output[:200].float() - expected[:200]).abs().max() > 0.05, "nothing was pruned"
