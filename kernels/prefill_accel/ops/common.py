@@ -46,15 +46,6 @@ def dot(a, b):
 
 
 @triton.jit
-def dot_add(a, b, acc):
-    """acc + a @ b, accumulated in the product's own layout (Triton 3.0 cannot add two Hopper MMA
-    results of different layouts: its compiler aborts on the conversion)."""
-    if DOT_IN_FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
 def kv_slots(page_table_row, pos, PAGE_SIZE: tl.constexpr, mask):
     """Page and slot of the cache rows holding token positions ``pos`` of one sequence."""
     page = tl.load(page_table_row + pos // PAGE_SIZE, mask=mask).to(tl.int64)  # masked lanes are never read through

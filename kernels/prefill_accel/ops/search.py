@@ -8,7 +8,7 @@ import triton.language as tl
 
 from ..config import SparsePrefillConfig
 from ..layout import BatchLayout, BlockIndex
-from .common import INTERPRET, LOG2E, dot, dot_add, jit_per_batch, kv_slots
+from .common import INTERPRET, LOG2E, dot, jit_per_batch, kv_slots
 from .launch import EXACT_TILE_ROWS, exact_splits, search_launch
 
 
@@ -101,7 +101,7 @@ def _pooled_logits(q_rows, q_negative, keys_seq, low_seq, j, n_causal, k_len, qk
     dots = dot(q_rows, tl.trans(keys))
     if BOUND:
         low = tl.load(low_seq + j[:, None] * stride_pj + dims[None, :], mask=causal, other=0.0)
-        dots = dot_add(q_negative, tl.trans(low), dots)
+        dots += dot(q_negative, tl.trans(low))
     block_len = tl.maximum(tl.minimum(k_len - j * BLOCK, BLOCK), 1).to(tl.float32)
     logits = dots * qk_scale + tl.log2(block_len)[None, :]
     return tl.where(j[None, :] < n_causal, logits, float("-inf"))
