@@ -99,11 +99,13 @@ def kernels_without_tma() -> str | None:
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         return None
+    import triton
+
     from ..ops import common
 
     if common.TENSOR_DESCRIPTORS:
         return None
-    return (f"triton {common.triton.__version__} has no tensor descriptors (triton >= {common.TMA_NEEDS_TRITON}): "
+    return (f"triton {triton.__version__} has no tensor descriptors (triton >= {common.TMA_NEEDS_TRITON}): "
             "the kernels read K/V tiles through the page table, not with TMA bulk copies")  # fmt: skip
 
 
