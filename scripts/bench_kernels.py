@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
 from prefill_accel import SparsePrefillConfig, block_sparse_attention, select_blocks, sparse_prefill_attention  # noqa: E402
 from prefill_accel import BatchLayout, dense_route  # noqa: E402
-from prefill_accel.ops import attention, attention_reference, launch, search, search_reference, staging, staging_reference  # noqa: E402
+from prefill_accel.ops import attention, attention_reference, common, launch, search, search_reference, staging, staging_reference  # noqa: E402
 
 
 def cuda_time(fn, repeats: int, warmup: int = 2) -> float:
@@ -295,9 +295,11 @@ def threshold_for_density(args, target: float, base: SparsePrefillConfig) -> tup
 def check_correctness(dtypes, head_dims, page_sizes, log=lambda line: None) -> list[str]:
     """Fresh random inputs vs the float32 reference, with a poisoned output buffer, for each way of
     reading K/V the GPU has (TMA from compute capability 9.0). The keys have blocks of different
-    relevance (``structured_qkv``), so the sparse cases drop blocks (each line gives the density kept)."""
+    relevance (``structured_qkv``), so the sparse cases drop blocks (each line gives the density kept); TMA
+    also needs a Triton with tensor descriptors."""
     lines = []
-    kv_reads = ("tma", "pointer") if torch.cuda.get_device_capability()[0] >= 9 else ("pointer",)
+    tma = common.TENSOR_DESCRIPTORS and torch.cuda.get_device_capability()[0] >= 9
+    kv_reads = ("tma", "pointer") if tma else ("pointer",)
     for dtype, head_dim, page_size, reads in itertools.product(dtypes, head_dims, page_sizes, kv_reads):
         launch.KV_READS = reads
         q_lens, k_lens = [3000, 1000, 517], [3000, 5000, 2600]
@@ -478,8 +480,10 @@ def main() -> int:
     args.densities = [float(x) for x in args.densities.split(",")]
     args.estimators = args.estimators.split(",")
     torch.backends.cuda.matmul.allow_tf32 = False
-    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d')}", flush=True)
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
+          f"{time.strftime('%Y-%m-%d')}", flush=True)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "date": time.strftime("%Y-%m-%d")}
     if not args.skip_check:
         lines = check_correctness((torch.bfloat16, torch.float16), (64, 128, 256), (1, 16, 64), log=lambda line: print(line, flush=True))
         report["correctness"] = lines

@@ -154,17 +154,17 @@ def test_the_qwen_checks_share_the_gpu_and_every_timed_stage_waits_for_all_of_th
     monkeypatch.setattr(driver, "accuracy_stage", stage("accuracy", 0.1))
     monkeypatch.setattr(driver, "capture_stage", stage("captures"))
     monkeypatch.setattr(driver, "engine_density_stage", stage("density"))
-    for name in ("offline_ttft_stage", "serve_bench_stage", "layer_time_stage"):
+    for name in ("offline_ttft_stage", "variant_ttft_stage", "serve_bench_stage", "layer_time_stage"):
         monkeypatch.setattr(driver, name, stage(name))
     args = argparse.Namespace(accuracy_run=["--lengths 32768", "--lengths 65536"], check_workers=3, lengths=[8192],
-                              repeats=1)  # fmt: skip
+                              repeats=1, variant_env=[("PREFILL_ACCEL_SPLIT_KV", "0")])  # fmt: skip
     results = {}
     driver.qwen_phase(results, "0", args)
 
     starts = [name for kind, name, _ in events if kind == "start"]
     assert starts.count("accuracy") == 2 and "rope" not in " ".join(starts)
-    timed = ["offline_ttft_stage", "layer_time_stage", "serve_bench_stage"]
-    assert starts[-3:] == timed
+    timed = ["offline_ttft_stage", "variant_ttft_stage", "layer_time_stage", "serve_bench_stage"]
+    assert starts[-4:] == timed
     first_timed = next(i for i, e in enumerate(events) if e[1] in timed)
     assert all(e[1] not in timed for e in events[:first_timed]) and events[first_timed - 1][2] == 0
     assert max(depth for kind, _, depth in events if kind == "start" and _ not in timed) == 3
@@ -172,3 +172,39 @@ def test_the_qwen_checks_share_the_gpu_and_every_timed_stage_waits_for_all_of_th
     assert "equality broke" in results["errors"]["qwen_equality"]
     assert set(results["stage_seconds"]) >= {"qwen_needles", "qwen_accuracy_1", "qwen_accuracy_2", "qwen_layer_times"}
     assert (tmp_path / "results-partial.json").is_file()
+
+
+def test_the_variant_ttft_stage_runs_only_when_a_setting_is_given(driver, tmp_path, monkeypatch):
+    import argparse
+
+    monkeypatch.setattr(driver, "OUT_DIR", tmp_path)
+    ran = []
+    for name in ("needle_stage", "equality_stage", "capture_stage", "engine_density_stage", "rope_check_stage",
+                 "offline_ttft_stage", "variant_ttft_stage", "serve_bench_stage", "layer_time_stage"):
+        monkeypatch.setattr(driver, name, lambda *args, name=name, **kwargs: ran.append((name, args)))
+    args = argparse.Namespace(accuracy_run=[], check_workers=2, lengths=[8192, 32768, 131072], repeats=1, variant_env=[])
+    driver.qwen_phase({}, "0", args)
+    assert "variant_ttft_stage" not in [name for name, _ in ran]
+    args.variant_env = [driver.parse_env_setting("PREFILL_ACCEL_SPLIT_KV=0")]
+    ran.clear()
+    driver.qwen_phase({}, "0", args)
+    (_, call_args), = [call for call in ran if call[0] == "variant_ttft_stage"]
+    assert call_args[3] == [32768, 131072] and call_args[5] == {"PREFILL_ACCEL_SPLIT_KV": "0"}
+    with pytest.raises(argparse.ArgumentTypeError):
+        driver.parse_env_setting("no-equals-sign")
+
+
+def test_ttft_pairs_name_the_two_sides_and_alternate_which_goes_first(driver, monkeypatch):
+    monkeypatch.setattr(driver, "say", lambda text: None)
+
+    class Corpus:
+        def window(self, length, seed):
+            return [seed] * 4
+
+    order = []
+    times = {"a": 0.2, "b": 0.1}
+    table = driver.ttft_pairs("a", "b", lambda side, ids: order.append(side) or times[side], [1024], 3, Corpus(), 0,
+                              ("variant", "default"))  # fmt: skip
+    row = table[1024]
+    assert (row["variant_ms"], row["default_ms"]) == (200.0, 100.0) and row["speedup"] == pytest.approx(2.0)
+    assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then the first side alternates

@@ -157,6 +157,26 @@ def test_split_plan_matches_its_reference(group, slots, capacity):
 
 
 @pytest.mark.parametrize(
+    "version, head_dim, means, bounds, rows, warps",
+    [
+        ((3, 6), 64, True, True, 128, 4),
+        ((3, 0), 64, True, True, 64, 4),  # Triton 3.0 miscompiled 128 rows of the mixed search at d=64
+        ((3, 0), 64, True, False, 128, 4),  # the pooled and bound searches alone passed with 128
+        ((3, 0), 64, False, True, 128, 4),
+        ((3, 0), 128, True, True, 128, 4),
+        ((3, 6), 256, False, True, 64, 8),
+        ((3, 0), 256, False, True, 64, 4),  # with 8 warps Triton 3.0's compiler aborts
+    ],
+)
+def test_search_launch_keeps_older_tritons_off_what_they_get_wrong(monkeypatch, version, head_dim, means, bounds,
+                                                                    rows, warps):  # fmt: skip
+    monkeypatch.setattr(launch, "TRITON_VERSION", version)
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    row_chunk, options = launch.search_launch(head_dim, 4 * 32, means, bounds)  # 4 heads a group, stride 4
+    assert (row_chunk, options["num_warps"]) == (rows, warps)
+
+
+@pytest.mark.parametrize(
     "q_len, heads, planned",
     [
         (16384, 12, True),  # a 16K chunk, Qwen2.5-Coder-1.5B's heads: 1536 programs, under 6 waves on an H200

@@ -9,7 +9,9 @@
 #   bash scripts/e2e/device-wait.sh 560        (again as needed)
 # Settings (each optional):
 #   BENCH_RUNS     ';'-separated argument lists of scripts/bench_kernels.py, run N writing
-#                  /tmp/e2e/out/bench-N.json (default: 32 / 8 heads at d=128, then SmolLM2's 9 / 3 at d=64)
+#                  /tmp/e2e/out/bench-N.json (default: 32 / 8 heads at d=128, then SmolLM2's 9 / 3 at d=64);
+#                  a list may start with NAME=VALUE words, that run's environment (PYTHONPATH=DIR for a
+#                  Triton installed there, PREFILL_ACCEL_AUTOTUNE=0)
 #   BENCH_TIMEOUT  seconds each benchmark run may take (default 600); the lengths it finished stay in its JSON
 #   STAGE_WAIT     seconds to wait for /tmp/stage/complete (default 900)
 #   ACCURACY_RUNS  ';'-separated argument lists of the accuracy harness, run on the staged GGUF models
@@ -41,9 +43,14 @@ for run_args in "${runs[@]}"; do
   [[ -n "${run_args// }" ]] || continue
   n=$((n + 1))
   echo "== bench_kernels.py $run_args"
-  # shellcheck disable=SC2086  # the run's arguments are split on purpose
-  timeout "${BENCH_TIMEOUT:-600}" python3 scripts/bench_kernels.py $run_args --out "/tmp/e2e/out/bench-$n.json" \
-    || echo "== bench_kernels.py run $n: exit $?"
+  read -ra words <<< "$run_args"
+  assignments=()
+  while (( ${#words[@]} )) && [[ "${words[0]}" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do
+    assignments+=("${words[0]}")
+    words=("${words[@]:1}")
+  done
+  timeout "${BENCH_TIMEOUT:-600}" env "${assignments[@]}" python3 scripts/bench_kernels.py "${words[@]}" \
+    --out "/tmp/e2e/out/bench-$n.json" || echo "== bench_kernels.py run $n: exit $?"
 done
 
 wait "$install"

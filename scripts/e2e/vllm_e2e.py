@@ -251,6 +251,14 @@ def sparse_flags_note() -> str:
     return "".join(f" with --sparse-prefill-{k.replace('_', '-')}={v}" for k, v in SPARSE_FLAGS.items())
 
 
+def parse_env_setting(text: str) -> tuple[str, str]:
+    """``PREFILL_ACCEL_SPLIT_KV=0`` -> ("PREFILL_ACCEL_SPLIT_KV", "0")."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (an environment variable), got {text!r}")
+    return name, value
+
+
 def parse_sparse_flag(text: str) -> tuple[str, object]:
     """``estimator=exact`` -> ("estimator", "exact"); numbers and true/false are converted."""
     name, sep, value = text.partition("=")
@@ -454,22 +462,24 @@ def needle_stage(results: dict, gpus: str, model: str, lengths: list[int], depth
 
 
 def ttft_pairs(up: Worker | Server, pa: Worker | Server, measure, lengths: list[int], repeats: int, corpus: Corpus,
-               seed: int) -> dict:  # fmt: skip
-    """Median TTFT per length, the two sides alternating (which goes first alternates too)."""
+               seed: int, labels: tuple[str, str] = ("upstream", "patched")) -> dict:  # fmt: skip
+    """Median TTFT per length, the two sides alternating (which goes first alternates too); ``labels``
+    name the baseline and the side measured against it (the keys ``<label>_ms``; speedup = baseline / other)."""
+    base, other = labels
     table = {}
     for length in lengths:
         warm = corpus.window(length, seed + length)
         for side in (up, pa):
             measure(side, warm)
-        times = {"upstream": [], "patched": []}
+        times = {base: [], other: []}
         for r in range(repeats):
             prompt = corpus.window(length, seed + length + 1 + r)
-            order = ((up, "upstream"), (pa, "patched")) if r % 2 == 0 else ((pa, "patched"), (up, "upstream"))
+            order = ((up, base), (pa, other)) if r % 2 == 0 else ((pa, other), (up, base))
             for side, key in order:
                 times[key].append(measure(side, prompt))
-        u, p = median(times["upstream"]), median(times["patched"])
-        table[length] = {"upstream_ms": u * 1e3, "patched_ms": p * 1e3, "speedup": u / p, "samples": times}
-        say(f"TTFT {length}: upstream {u * 1e3:.1f} ms, patched {p * 1e3:.1f} ms, {u / p:.2f}x")
+        u, p = median(times[base]), median(times[other])
+        table[length] = {f"{base}_ms": u * 1e3, f"{other}_ms": p * 1e3, "speedup": u / p, "samples": times}
+        say(f"TTFT {length}: {base} {u * 1e3:.1f} ms, {other} {p * 1e3:.1f} ms, {u / p:.2f}x")
     return table
 
 
@@ -488,6 +498,34 @@ def offline_ttft_stage(results: dict, gpus: str, model: str, lengths: list[int],
     results[key] = {"model": model, "engine": f"LLM, max_model_len {max_len} {long_context_overrides(model, max_len)}, "
                     "chunked prefill 16384, prefix caching on, CUDA graphs + torch.compile (defaults); patched: "
                     "default sparse config" + sparse_flags_note(), "by_length": table}  # fmt: skip
+
+
+def variant_ttft_stage(results: dict, gpus: str, model: str, lengths: list[int], repeats: int,
+                       env: dict[str, str]) -> None:  # fmt: skip
+    """What a runtime switch is worth end to end: offline TTFT of the patched engine at the default
+    config with ``env`` set (e.g. PREFILL_ACCEL_SPLIT_KV=0) against the same engine without it, the two
+    alternating as upstream and patched do in offline_ttft_stage."""
+    tok = tokenizer_for(model)
+    corpus = Corpus(tok, max(lengths) + 64 * 1024)
+    max_len = long_len(model)
+    kwargs = engine_kwargs(model, max_model_len=max_len, chunk=16384, eager=False, **sparse())
+    variant = Worker(f"{model}-ttft-variant", "patched", gpus, kwargs, extra_env=env)
+    try:
+        default = Worker(f"{model}-ttft-default", "patched", gpus, kwargs)
+    except Exception:
+        variant.close()
+        raise
+    try:
+        table = ttft_pairs(variant, default, lambda w, ids: w.call(op="ttft", prompt=ids, timeout=900)["seconds"],
+                           [prompt_len(model, n) for n in lengths], repeats, corpus, 0, ("variant", "default"))  # fmt: skip
+    finally:
+        variant.close()
+        default.close()
+    results[f"{model}_variant_ttft"] = {
+        "model": model, "variant": " ".join(f"{name}={value}" for name, value in env.items()),
+        "engine": f"LLM, max_model_len {max_len}, chunked prefill 16384, defaults; both patched, default sparse config"
+                  + sparse_flags_note(), "by_length": table,
+    }  # fmt: skip
 
 
 def offline_phase(results: dict, gpus: str, args) -> None:
@@ -867,10 +905,13 @@ def qwen_phase(results: dict, gpus: str, args) -> None:
     for name, stage in (
         ("qwen_offline_ttft", lambda: offline_ttft_stage(results, gpus, QWEN, args.lengths, args.repeats,
                                                          "qwen_offline_ttft")),
+        ("qwen_variant_ttft", lambda: variant_ttft_stage(results, gpus, QWEN, [n for n in args.lengths if n >= 32768],
+                                                         args.repeats, dict(args.variant_env))),
         ("qwen_layer_times", lambda: layer_time_stage(results, gpus, QWEN, args)),
         ("qwen_serve", lambda: serve_bench_stage(results, gpus, QWEN, args)),
     ):  # fmt: skip
-        run_stage(results, name, stage)
+        if name != "qwen_variant_ttft" or args.variant_env:
+            run_stage(results, name, stage)
 
 
 # --------------------------------------------------------------------------------------------- chunk
@@ -968,6 +1009,12 @@ def report(results: dict) -> str:
             lines += ["", f"| {key} ({results[key]['model']}) | upstream ms | patched ms | speedup |", "|---|---|---|---|"]
             for length, row in results[key]["by_length"].items():
                 lines.append(f"| {length} | {row['upstream_ms']:.1f} | {row['patched_ms']:.1f} | {row['speedup']:.2f}x |")
+    if f"{QWEN}_variant_ttft" in results:
+        r = results[f"{QWEN}_variant_ttft"]
+        lines += ["", f"| {QWEN}, patched with {r['variant']} against without | with ms | without ms | without is "
+                  "faster by |", "|---|---|---|---|"]  # fmt: skip
+        for length, row in r["by_length"].items():
+            lines.append(f"| {length} | {row['variant_ms']:.1f} | {row['default_ms']:.1f} | {row['speedup']:.2f}x |")
     if "mixed_load" in results:
         m = results["mixed_load"]
         lines += ["", f"Mixed load: one {m['long_tokens']}-token request + short chats at {m['rate_per_s']}/s for "
@@ -1006,11 +1053,15 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated stage names to leave out (smol_equality, "
                         "gemma_needles, offline_ttft, serve_ttft, mixed_load, chunk_bench, engine_density, "
                         "tp2_equality, tp2_ttft, qwen_rope_check, qwen_equality, qwen_needles, qwen_accuracy_N, qwen_captures, "
-                        "qwen_engine_density, qwen_offline_ttft, qwen_serve, qwen_layer_times)")  # fmt: skip
+                        "qwen_engine_density, qwen_offline_ttft, qwen_variant_ttft, qwen_serve, qwen_layer_times)")  # fmt: skip
     parser.add_argument("--capture-layers", default="7,21", help="layers of the qwen phase's captured q/k/v")
     parser.add_argument("--accuracy-run", action="append", default=[], metavar="ARGS",
                         help="arguments of one accuracy-harness run on the qwen model among the qwen phase's checks "
                         "(repeatable; each its own process and JSON), e.g. '--lengths 32768 --thresholds 0.004,0.008'")
+    parser.add_argument("--variant-env", type=parse_env_setting, action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting of the qwen phase's variant TTFT stage (repeatable): offline TTFT at 32K and "
+                        "longer of a patched engine with these environment variables against one without, e.g. "
+                        "PREFILL_ACCEL_SPLIT_KV=0; without it the stage does not run")  # fmt: skip
     parser.add_argument("--check-workers", type=int, default=4, help="qwen phase checks run at once on the GPU")
     parser.add_argument("--model-shape", default="12/2/128", help="query heads / KV heads / head_dim of the qwen "
                         "phase's structured per-layer timing")  # fmt: skip
