@@ -130,19 +130,28 @@ def _build_args(**overrides) -> argparse.Namespace:
     return argparse.Namespace(**{**values, **overrides})
 
 
+class _Recorded(list):
+    """The commands run, and the Python tag the fake interpreter reports (``python_tag[0]``)."""
+
+
 @pytest.fixture
 def venv_steps(monkeypatch, tmp_path):
     """The commands a venv build runs, recorded instead of run; the wheel a file named as the target's."""
-    ran = []
+    ran = _Recorded()
 
     def run(cmd, env=None):
         ran.append([str(part) for part in cmd])
         if cmd[1:3] == ["-m", "venv"]:
             Path(cmd[3]).mkdir(parents=True)
+        if "version_info" in " ".join(map(str, cmd)):
+            return f"{python_tag[0]}\n"
         return str(tmp_path / "site") if "sysconfig" in " ".join(map(str, cmd)) else ""
+
+    python_tag = ["cp312"]  # the new environment's Python (a test may change it)
 
     monkeypatch.setattr(envbuild, "_run", run)
     monkeypatch.setattr(envbuild.registry, "fetch_file", lambda engine, name, sha, root, progress: tmp_path / name)
+    ran.python_tag = python_tag
     return ran
 
 
@@ -168,6 +177,38 @@ def test_a_venv_build_installs_the_cuda_dependencies_where_a_gpu_is_listed_or_as
     assert venv_steps[-1][:3] == ["bash", str(ROOT / "scripts/install-into-env.sh"), target]
     out = capsys.readouterr().out
     assert ("and its CUDA dependencies." if gpu else "and its CPU import/test dependencies (no GPU runs).") in out
+
+
+@pytest.mark.parametrize("python_tag, wheel", [
+    ("cp311", "sglang-0.5.16-cp311-cp311-manylinux_2_34_x86_64.whl"),
+    ("cp312", "sglang-0.5.16-cp312-cp312-manylinux_2_34_x86_64.whl"),  # the GPU machine's Python
+])
+def test_a_gpu_venv_installs_the_engine_wheel_made_for_its_python(venv_steps, tmp_path, python_tag, wheel):
+    venv_steps.python_tag[0] = python_tag
+    assert commands._run_build(_build_args(target="sglang-0.5.16", venv=tmp_path / "v", gpu=True)) == 0
+    installs = [cmd[cmd.index("install"):] for cmd in venv_steps if cmd[1:4] == ["-m", "pip", "install"]]
+    assert installs == [["install", "-q", str(tmp_path / wheel)]]
+
+
+def test_a_gpu_venv_on_a_python_no_pinned_wheel_fits_is_refused_naming_the_pins(venv_steps, tmp_path):
+    venv_steps.python_tag[0] = "cp313"
+    with pytest.raises(UsageError, match=r"sglang-0.5.16: no pinned wheel installs on cp313 \(sglang-0.5.16-cp311.*"
+                                         r"cp312.*\); add one to gpu_wheels"):  # fmt: skip
+        commands._run_build(_build_args(target="sglang-0.5.16", venv=tmp_path / "v", gpu=True))
+
+
+@pytest.mark.parametrize("filename, tag, installs", [
+    ("vllm-0.6.3.post1-cp38-abi3-manylinux1_x86_64.whl", "cp312", True),
+    ("vllm-0.6.3.post1-cp38-abi3-manylinux1_x86_64.whl", "cp37", False),
+    ("sglang-0.5.16-cp311-cp311-manylinux_2_34_x86_64.whl", "cp312", False),
+    ("sglang-0.5.16-cp312-cp312-manylinux_2_34_x86_64.whl", "cp312", True),
+    ("pyairports-0.0.1-py3-none-any.whl", "cp312", True),
+    ("six-1.17.0-py2.py3-none-any.whl", "cp311", True),
+])
+def test_a_wheels_tags_say_which_pythons_it_installs_on(filename, tag, installs):
+    from prefill_accel.tooling.targets import wheel_installs_on
+
+    assert wheel_installs_on(filename, tag) is installs
 
 
 def test_gpu_and_cpu_pick_a_venv_flavour_and_need_venv():

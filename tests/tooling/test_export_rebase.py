@@ -8,7 +8,7 @@ import pytest
 
 from prefill_accel.tooling.errors import RebaseConflict
 from prefill_accel.tooling.export import edit, export
-from prefill_accel.tooling.rebase import continue_rebase, rebase
+from prefill_accel.tooling.rebase import continue_rebase, new_target, rebase
 from prefill_accel.tooling.targets import Targets
 
 from .conftest import QUIET, ROOT, TARGET_NAMES, fetched, tree_digest
@@ -88,3 +88,11 @@ def test_rebase_conflict_reports_and_changes_nothing_then_continue_finishes(scra
     new = continue_rebase(Targets.load(scratch_root), work, QUIET)
     assert new.name == "vllm-0.6.4"
     assert (scratch_root / "patches/vllm/0.6.4/series").is_file()
+
+
+def test_a_rebased_target_moves_its_wheels_for_other_pythons_and_leaves_them_unpinned():
+    old = Targets.load(ROOT).resolve("sglang-0.5.16")
+    new = new_target(old, "0.5.17", pin_from_registry=False)
+    assert new.gpu_wheels == ("sglang-0.5.17-cp312-cp312-manylinux_2_34_x86_64.whl",)
+    assert new.wheel_for("cp312") == ("sglang-0.5.17-cp312-cp312-manylinux_2_34_x86_64.whl", "")
+    assert new.wheel_for("cp311") == ("sglang-0.5.17-cp311-cp311-manylinux_2_34_x86_64.whl", "")

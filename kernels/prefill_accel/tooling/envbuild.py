@@ -108,10 +108,10 @@ def _engine_venv(target: Target, root: Path, venv: Path, progress: Progress) -> 
 
 
 def _gpu_engine_venv(target: Target, root: Path, venv: Path, progress: Progress) -> Path:
-    """A virtualenv with the pinned engine wheel and the dependencies pip resolves from its metadata (for
-    vLLM 0.6.3.post1: torch 2.4.0 with its CUDA 12 libraries, Triton 3.0.0, xformers), the install the
-    official image is built from, its open-ended requirements held by the target's gpu_constraints; not
-    yet patched. Returns its python."""
+    """A virtualenv with the pinned engine wheel for its Python (Target.wheel_for) and the dependencies pip
+    resolves from its metadata (for vLLM 0.6.3.post1: torch 2.4.0 with its CUDA 12 libraries, Triton 3.0.0,
+    xformers), the install the official image is built from, its open-ended requirements held by the
+    target's gpu_constraints; not yet patched. Returns its python."""
     python = venv / "bin" / "python"
     with progress.step(f"Creating virtualenv {venv}"):
         _run([sys.executable, "-m", "venv", str(venv)])
@@ -120,11 +120,17 @@ def _gpu_engine_venv(target: Target, root: Path, venv: Path, progress: Progress)
         constraints = venv / "prefill-accel-constraints.txt"
         constraints.write_text("\n".join(target.gpu_constraints) + "\n")
         held = ["-c", str(constraints)]
-    wheel = registry.fetch_file(target.engine, target.wheel, target.wheel_sha256, root, progress)
+    name, sha256 = target.wheel_for(_python_tag(python))
+    wheel = registry.fetch_file(target.engine, name, sha256, root, progress)
     pinned = f"its pinned dependencies (torch {target.torch} and its CUDA libraries)"
     with progress.step(f"Installing {wheel.name} with {pinned}"):
         _run([str(python), "-m", "pip", "install", "-q", *held, str(wheel)])
     return python
+
+
+def _python_tag(python: Path) -> str:
+    """The CPython wheel tag of an interpreter, e.g. "cp312"."""
+    return _run([str(python), "-c", "import sys; print('cp%d%d' % sys.version_info[:2])"]).strip()
 
 
 def gpu_listed() -> bool:

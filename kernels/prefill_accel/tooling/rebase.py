@@ -66,14 +66,18 @@ def new_target(old: Target, to_version: str, pin_from_registry: bool) -> Target:
         artifact=bump(old.artifact), artifact_sha256="", wheel=bump(old.wheel), wheel_sha256="",
         base_image=bump(old.base_image),
         venv_requirements=bump(old.venv_requirements),
+        gpu_wheels=tuple(bump(entry.split()[0]) for entry in old.gpu_wheels),
     )
     if pin_from_registry:
         from . import registry
 
-        artifact = registry.file_info(old.engine, target.artifact)
-        wheel = registry.file_info(old.engine, target.wheel)
-        target = dataclasses.replace(target, artifact_sha256=artifact["hashes"]["sha256"],
-                                     wheel_sha256=wheel["hashes"]["sha256"])
+        def sha256(filename: str) -> str:
+            return registry.file_info(old.engine, filename)["hashes"]["sha256"]
+
+        target = dataclasses.replace(
+            target, artifact_sha256=sha256(target.artifact), wheel_sha256=sha256(target.wheel),
+            gpu_wheels=tuple(f"{name} {sha256(name)}" for name in target.gpu_wheels),
+        )  # fmt: skip
     return target
 
 

@@ -42,6 +42,9 @@ class Target:
     venv_requirements: str = ""
     venv_remove: tuple[str, ...] = ()
     gpu_constraints: tuple[str, ...] = ()
+    gpu_wheels: tuple[str, ...] = ()
+    """The engine's wheels for other Pythons, "FILENAME SHA256" each: `build --venv --gpu` installs the one
+    that fits the environment's Python where ``wheel`` (pinned for the CPU tests' Python) does not."""
     overlay_replaces: tuple[str, ...] = ()
     run_example: str = ""
 
@@ -58,6 +61,16 @@ class Target:
     def image(self) -> str:
         return f"prefill-accel/{self.engine}:{self.version}-pa{self.series_version}"
 
+    def wheel_for(self, python_tag: str) -> tuple[str, str]:
+        """The pinned engine wheel (file name, sha256) that installs on CPython ``python_tag`` ("cp312"):
+        ``wheel``, else the first of ``gpu_wheels`` that does."""
+        pins = [(self.wheel, self.wheel_sha256), *((entry.split() + [""])[:2] for entry in self.gpu_wheels)]
+        for name, sha256 in pins:
+            if wheel_installs_on(name, python_tag):
+                return name, sha256
+        raise UsageError(f"{self.name}: no pinned wheel installs on {python_tag} ({', '.join(name for name, _ in pins)}); "
+                         f"add one to gpu_wheels in {TARGETS_FILE}")  # fmt: skip
+
     def patch_dir(self, root: Path) -> Path:
         return root / "patches" / self.engine / self.version
 
@@ -70,6 +83,19 @@ class Target:
         for field in dataclasses.fields(self):
             lines.append(f"{field.name} = {_toml_value(getattr(self, field.name))}")
         return "\n".join(lines) + "\n"
+
+
+def wheel_installs_on(filename: str, python_tag: str) -> bool:
+    """Whether a wheel installs on CPython ``python_tag`` ("cp312") by its file name's Python and ABI tags:
+    that version's own, a CPython stable-ABI wheel (abi3) of that version or older, or pure Python 3."""
+    *_, python, abi, _platform = filename.removesuffix(".whl").split("-")
+    minor = int(python_tag.removeprefix("cp3"))
+    for tag in python.split("."):
+        if tag == python_tag or tag == "py3":
+            return True
+        if abi == "abi3" and tag.startswith("cp3") and int(tag.removeprefix("cp3")) <= minor:
+            return True
+    return False
 
 
 def _toml_value(value) -> str:

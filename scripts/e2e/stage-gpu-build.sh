@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Pack what `scripts/build.sh TARGET --venv DIR --gpu` installs, for a GPU machine that reaches no package
+# index: the target's engine wheel and every wheel pip resolves for it under the target's gpu_constraints
+# (for vllm-0.6.3.post1: torch 2.4.0 with its CUDA 12 libraries, Triton 3.0.0, xformers, about 3.2 GB), built
+# for the device's Python, plus setuptools and pip (the build installs the runtime package from source).
+# Dependencies published only as a source archive (SDIST_ONLY) are built into wheels here.
+#
+# Usage (project root): [STAGE_PYTHON=3.12] [SDIST_ONLY="pyairports"] bash scripts/e2e/stage-gpu-build.sh TARGET [OUTDIR]
+#   (default OUTDIR .device/gpu-build, git-ignored): OUTDIR/wheels/ and OUTDIR/piece.NNN of at most 56 MiB.
+# On the device, one `run` call per piece (carry=[".device/gpu-build/piece.NNN"], `cp` it to /tmp/gpu-build/),
+# then: bash scripts/e2e/device-gpu-build.sh TARGET [VENV]
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+target="${1:?usage: stage-gpu-build.sh TARGET [OUTDIR]}"
+out="$(realpath -m "${2:-$root/.device/gpu-build}")"
+py="${PREFILL_ACCEL_TOOL_PYTHON:-$root/.venv/bin/python}"
+[[ -x "$py" ]] || py=python3
+version="${STAGE_PYTHON:-3.12}"
+
+# The target's engine wheel for the device's Python (Target.wheel_for, from the cache build.sh fills, its
+# checksum checked) and gpu_constraints.
+rm -rf "$out" && mkdir -p "$out/wheels" "$out/local"
+read_target='
+import sys
+from pathlib import Path
+from prefill_accel.tooling import registry
+from prefill_accel.tooling.targets import Targets
+root, name, constraints, python_tag = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+target = Targets.load(root).resolve(name)
+constraints.write_text("".join(line + "\n" for line in target.gpu_constraints))
+print(registry.fetch_file(target.engine, *target.wheel_for(python_tag), root))
+'
+engine_wheel="$(PYTHONPATH="$root/kernels" "$py" -c "$read_target" "$root" "$target" "$out/constraints.txt" "cp${version/./}")"
+wheel="$(basename "$engine_wheel")"
+cp "$engine_wheel" "$out/local/"
+
+platform=(--python-version "$version" --implementation cp --abi "cp${version/./}" --only-binary=:all:)
+for tag in manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 \
+           manylinux2014 manylinux1; do
+  platform+=(--platform "${tag}_x86_64")
+done
+for name in ${SDIST_ONLY-pyairports}; do
+  "$py" -m pip wheel -q --no-deps -w "$out/local" "$name"
+done
+"$py" -m pip download -q "${platform[@]}" --find-links "$out/local" -d "$out/wheels" -c "$out/constraints.txt" \
+  "$out/local/$wheel" setuptools pip
+cp "$out/constraints.txt" "$out/wheels/prefill-accel-constraints.txt"
+echo "$wheel" > "$out/wheels/ENGINE_WHEEL"
+(cd "$out/wheels" && sha256sum -- * > ../SHA256SUMS && mv ../SHA256SUMS .)
+tar cf - -C "$out" wheels | split -b 56M -d -a 3 - "$out/piece."
+echo "$(ls "$out"/wheels/*.whl | wc -l) wheels, $(du -sh "$out/wheels" | cut -f1), $(ls "$out"/piece.* | wc -l) pieces in $out" >&2
