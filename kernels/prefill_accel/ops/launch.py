@@ -166,9 +166,9 @@ def search_launch(head_dim: int, scored_rows: int, means: bool, bounds: bool) ->
     at head_dim 256 take half the rows. At least 16 rows: the smallest tile tl.dot multiplies (the
     padding rows are masked). Triton before 3.4 keeps the bound search at head_dim 256 on 4 warps: with 8,
     Triton 3.0's compiler aborts on it (an MMA layout conversion it has for Ampere only;
-    scripts/compile_check.py, 2026-12-03); and it scores at most 64 rows per chunk in the mixed search up
-    to head_dim 64: with 128, Triton 3.0's code on the H200 failed the check against the float32
-    reference in 13 of 13 runs (3 of 4 unpipelined), with 64 in none of 20 (docs/vllm-0.6.md, Triton)."""
+    scripts/compile_check.py); and it scores at most 64 rows per chunk in the mixed search up to head_dim
+    64: with 128, Triton 3.0's code on the H200 fails the check against the float32 reference, pipelined
+    or not, and with 64 it passes (docs/vllm-0.6.md, Triton)."""
     row_chunk = max(16, min(64 if bounds and head_dim > 128 else 128, triton.next_power_of_2(scored_rows)))
     if means and bounds and head_dim <= 64 and TRITON_VERSION < (3, 4):
         row_chunk = min(row_chunk, 64)
