@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
 from prefill_accel import SparsePrefillConfig, block_sparse_attention, select_blocks, sparse_prefill_attention  # noqa: E402
 from prefill_accel import BatchLayout, dense_route  # noqa: E402
-from prefill_accel.ops import attention, attention_reference, common, launch, search, search_reference, staging, staging_reference  # noqa: E402
+from prefill_accel.ops import attention, attention_reference, launch, search, search_reference, staging, staging_reference  # noqa: E402
 
 
 def cuda_time(fn, repeats: int, warmup: int = 2) -> float:
@@ -298,8 +298,7 @@ def check_correctness(dtypes, head_dims, page_sizes, log=lambda line: None) -> l
     relevance (``structured_qkv``), so the sparse cases drop blocks (each line gives the density kept); TMA
     also needs a Triton with tensor descriptors."""
     lines = []
-    tma = common.TENSOR_DESCRIPTORS and torch.cuda.get_device_capability()[0] >= 9
-    kv_reads = ("tma", "pointer") if tma else ("pointer",)
+    kv_reads = ("tma", "pointer") if launch.tma_capable(torch.device("cuda")) else ("pointer",)
     for dtype, head_dim, page_size, reads in itertools.product(dtypes, head_dims, page_sizes, kv_reads):
         launch.KV_READS = reads
         q_lens, k_lens = [3000, 1000, 517], [3000, 5000, 2600]

@@ -338,13 +338,19 @@ def compare_tokens(upstream: dict, patched: dict) -> list[dict]:
 # --------------------------------------------------------------------------------------------- offline
 
 
-def pair(name: str, gpus: str, upstream: dict, patched: dict) -> tuple[Worker, Worker]:
-    up = Worker(f"{name}-upstream", "upstream", gpus, upstream)
+def start_both(first, second) -> tuple[Worker, Worker]:
+    """Two workers from their constructors, the first closed when the second fails to start."""
+    one = first()
     try:
-        return up, Worker(f"{name}-patched", "patched", gpus, patched)
+        return one, second()
     except Exception:
-        up.close()
+        one.close()
         raise
+
+
+def pair(name: str, gpus: str, upstream: dict, patched: dict) -> tuple[Worker, Worker]:
+    return start_both(lambda: Worker(f"{name}-upstream", "upstream", gpus, upstream),
+                      lambda: Worker(f"{name}-patched", "patched", gpus, patched))  # fmt: skip
 
 
 def equality_stage(results: dict, gpus: str, model: str, tp: int, tag: str) -> None:
@@ -483,18 +489,25 @@ def ttft_pairs(up: Worker | Server, pa: Worker | Server, measure, lengths: list[
     return table
 
 
+def offline_ttft_table(model: str, workers: tuple[Worker, Worker], lengths: list[int], repeats: int,
+                       labels: tuple[str, str] = ("upstream", "patched")) -> dict:  # fmt: skip
+    """Offline TTFT (one output token) of two started workers at the model's prompt lengths, the two
+    alternating (ttft_pairs); the workers are closed afterwards."""
+    first, second = workers
+    try:
+        corpus = Corpus(tokenizer_for(model), max(lengths) + 64 * 1024)
+        return ttft_pairs(first, second, lambda w, ids: w.call(op="ttft", prompt=ids, timeout=900)["seconds"],
+                          [prompt_len(model, n) for n in lengths], repeats, corpus, 0, labels)  # fmt: skip
+    finally:
+        first.close()
+        second.close()
+
+
 def offline_ttft_stage(results: dict, gpus: str, model: str, lengths: list[int], repeats: int, key: str) -> None:
-    tok = tokenizer_for(model)
-    corpus = Corpus(tok, max(lengths) + 64 * 1024)
     max_len = long_len(model)
     base = dict(max_model_len=max_len, chunk=16384, eager=False)
-    up, pa = pair(f"{model}-ttft", gpus, engine_kwargs(model, **base), engine_kwargs(model, **base, **sparse()))
-    try:
-        table = ttft_pairs(up, pa, lambda w, ids: w.call(op="ttft", prompt=ids, timeout=900)["seconds"],
-                           [prompt_len(model, n) for n in lengths], repeats, corpus, 0)  # fmt: skip
-    finally:
-        up.close()
-        pa.close()
+    workers = pair(f"{model}-ttft", gpus, engine_kwargs(model, **base), engine_kwargs(model, **base, **sparse()))
+    table = offline_ttft_table(model, workers, lengths, repeats)
     results[key] = {"model": model, "engine": f"LLM, max_model_len {max_len} {long_context_overrides(model, max_len)}, "
                     "chunked prefill 16384, prefix caching on, CUDA graphs + torch.compile (defaults); patched: "
                     "default sparse config" + sparse_flags_note(), "by_length": table}  # fmt: skip
@@ -503,24 +516,12 @@ def offline_ttft_stage(results: dict, gpus: str, model: str, lengths: list[int],
 def variant_ttft_stage(results: dict, gpus: str, model: str, lengths: list[int], repeats: int,
                        env: dict[str, str]) -> None:  # fmt: skip
     """What a runtime switch is worth end to end: offline TTFT of the patched engine at the default
-    config with ``env`` set (e.g. PREFILL_ACCEL_SPLIT_KV=0) against the same engine without it, the two
-    alternating as upstream and patched do in offline_ttft_stage."""
-    tok = tokenizer_for(model)
-    corpus = Corpus(tok, max(lengths) + 64 * 1024)
+    config with ``env`` set (e.g. PREFILL_ACCEL_SPLIT_KV=0) against the same engine without it."""
     max_len = long_len(model)
     kwargs = engine_kwargs(model, max_model_len=max_len, chunk=16384, eager=False, **sparse())
-    variant = Worker(f"{model}-ttft-variant", "patched", gpus, kwargs, extra_env=env)
-    try:
-        default = Worker(f"{model}-ttft-default", "patched", gpus, kwargs)
-    except Exception:
-        variant.close()
-        raise
-    try:
-        table = ttft_pairs(variant, default, lambda w, ids: w.call(op="ttft", prompt=ids, timeout=900)["seconds"],
-                           [prompt_len(model, n) for n in lengths], repeats, corpus, 0, ("variant", "default"))  # fmt: skip
-    finally:
-        variant.close()
-        default.close()
+    workers = start_both(lambda: Worker(f"{model}-ttft-variant", "patched", gpus, kwargs, extra_env=env),
+                         lambda: Worker(f"{model}-ttft-default", "patched", gpus, kwargs))  # fmt: skip
+    table = offline_ttft_table(model, workers, lengths, repeats, ("variant", "default"))
     results[f"{model}_variant_ttft"] = {
         "model": model, "variant": " ".join(f"{name}={value}" for name, value in env.items()),
         "engine": f"LLM, max_model_len {max_len}, chunked prefill 16384, defaults; both patched, default sparse config"
@@ -902,16 +903,16 @@ def qwen_phase(results: dict, gpus: str, args) -> None:
     with ThreadPoolExecutor(max_workers=args.check_workers) as pool:
         for job in [pool.submit(run_stage, results, name, stage) for name, stage in checks]:
             job.result()
-    for name, stage in (
-        ("qwen_offline_ttft", lambda: offline_ttft_stage(results, gpus, QWEN, args.lengths, args.repeats,
-                                                         "qwen_offline_ttft")),
-        ("qwen_variant_ttft", lambda: variant_ttft_stage(results, gpus, QWEN, [n for n in args.lengths if n >= 32768],
-                                                         args.repeats, dict(args.variant_env))),
-        ("qwen_layer_times", lambda: layer_time_stage(results, gpus, QWEN, args)),
-        ("qwen_serve", lambda: serve_bench_stage(results, gpus, QWEN, args)),
-    ):  # fmt: skip
-        if name != "qwen_variant_ttft" or args.variant_env:
-            run_stage(results, name, stage)
+    timed = [("qwen_offline_ttft", lambda: offline_ttft_stage(results, gpus, QWEN, args.lengths, args.repeats,
+                                                              "qwen_offline_ttft"))]  # fmt: skip
+    if args.variant_env:
+        long_lengths = [n for n in args.lengths if n >= 32768]
+        timed.append(("qwen_variant_ttft", lambda: variant_ttft_stage(results, gpus, QWEN, long_lengths, args.repeats,
+                                                                      dict(args.variant_env))))  # fmt: skip
+    timed += [("qwen_layer_times", lambda: layer_time_stage(results, gpus, QWEN, args)),
+              ("qwen_serve", lambda: serve_bench_stage(results, gpus, QWEN, args))]  # fmt: skip
+    for name, stage in timed:
+        run_stage(results, name, stage)
 
 
 # --------------------------------------------------------------------------------------------- chunk

@@ -97,6 +97,12 @@ def size_class(programs: int) -> int:
     return sum(programs >= bound for bound in SIZE_CLASS_BOUNDS)
 
 
+def tma_capable(device: torch.device) -> bool:
+    """Whether K/V tiles can come by bulk tensor copies on ``device``: a CUDA GPU of compute capability 9.0
+    or later, under a Triton with tensor descriptors."""
+    return TENSOR_DESCRIPTORS and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def kv_read_mode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sparse_context: int = 0) -> str:
     """"tma" for 16-bit caches at a head size in TMA_HEAD_DIMS on CUDA GPUs with bulk tensor copies
     (compute capability 9.0 and later) under a Triton that has tensor descriptors (3.4 and later), in
@@ -107,7 +113,7 @@ def kv_read_mode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         warn_once(f"PREFILL_ACCEL_KV_READS=tma needs Triton >= {TMA_NEEDS_TRITON} (tensor descriptors), this is "
                   f"{triton.__version__}: reading K/V through the page table")  # fmt: skip
         return "pointer"
-    capable = TENSOR_DESCRIPTORS and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+    capable = tma_capable(q.device)
     if KV_READS == "tma" and not (capable or INTERPRET):
         warn_once("PREFILL_ACCEL_KV_READS=tma needs compute capability 9.0 or later: reading K/V through the page table")
         return "pointer"
