@@ -2,6 +2,7 @@
 prompt windows. Its GPU runs are in docs/e2e-vllm.md; here only what can go wrong without a GPU."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,48 @@ def test_long_runs_use_the_models_documented_rope_scaling_where_it_has_one(drive
     # The 128K prompt leaves room for the answer inside YaRN's 128K; SmolLM2's speed runs do not need it.
     assert driver.prompt_len(driver.QWEN, 131072) == 131072 - 64 and driver.prompt_len(driver.QWEN, 65536) == 65536
     assert driver.prompt_len("smollm2", 131072) == 131072
+
+
+def qwen_checkpoint(models: Path, name: str) -> None:
+    """A converted checkpoint's files as transformers 5 writes them (Qwen2.5-Coder-1.5B's shape)."""
+    (models / name).mkdir()
+    (models / name / "config.json").write_text(json.dumps({
+        "hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 2, "num_hidden_layers": 28,
+        "dtype": "bfloat16", "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}))  # fmt: skip
+    (models / name / "tokenizer_config.json").write_text('{"tokenizer_class": "Qwen2Tokenizer", "extra_special_tokens": []}')
+    (models / name / "model.safetensors").write_bytes(b"weights")
+
+
+def test_v0_engines_get_the_backend_chunking_cache_and_rope_scaling_in_vllm_06_terms(driver, tmp_path, monkeypatch):
+    monkeypatch.setattr(driver, "MODELS", tmp_path)
+    qwen_checkpoint(tmp_path, driver.QWEN)
+    kwargs = driver.engine_kwargs(driver.QWEN, max_model_len=131072, chunk=16384, eager=False, **driver.sparse())
+    engine, env = driver.v0_engine(kwargs)
+    assert env == {"VLLM_ATTENTION_BACKEND": "SPARSE_PREFILL"}
+    assert "attention_backend" not in engine and "hf_overrides" not in engine and "kv_cache_memory_bytes" not in engine
+    assert engine["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert engine["enable_chunked_prefill"] and engine["max_num_batched_tokens"] == 16384
+    # 8 GiB of bf16 K+V at 28 layers x 2 KV heads x 128 per token: 16-token blocks of 448 KiB.
+    assert engine["num_gpu_blocks_override"] == driver.KV_BYTES // (16 * 28 * 2 * 2 * 128 * 2) == 18724
+    upstream, env = driver.v0_engine(driver.engine_kwargs(driver.QWEN, max_model_len=32768, chunk=2048, eager=True))
+    assert env == {} and "rope_scaling" not in upstream
+    # V0 reads the checkpoint through transformers 4.46: rope_theta at the top, no list of extra tokens.
+    v0 = Path(engine["model"])
+    assert v0 != tmp_path / driver.QWEN and (v0 / "model.safetensors").resolve() == tmp_path / driver.QWEN / "model.safetensors"
+    config = json.loads((v0 / "config.json").read_text())
+    assert config["rope_theta"] == 1e6 and config["torch_dtype"] == "bfloat16" and "rope_type" not in config
+    assert "extra_special_tokens" not in json.loads((v0 / "tokenizer_config.json").read_text())
+    # Past the training length without a documented scaling (SmolLM2's speed runs) V0 has no override.
+    qwen_checkpoint(tmp_path, "smollm2")
+    with pytest.raises(driver.EngineError, match="hf_overrides"):
+        driver.v0_engine(driver.engine_kwargs("smollm2", max_model_len=132096, chunk=16384, eager=False))
+
+
+def test_the_v0_phase_runs_alone(driver, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["vllm_e2e.py", "--phases", "v0,qwen"])
+    with pytest.raises(SystemExit):
+        driver.main()
+    assert "runs alone" in capsys.readouterr().err
 
 
 def test_needle_depths_are_eight_spread_over_the_prompt(driver):

@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # On the GPU machine: wait up to SECONDS for the run started by device-run.sh to finish, printing its log
 # as it grows, then copy the log, the partial results and an archive of everything else into $OUT.
-# Usage: bash scripts/e2e/device-wait.sh SECONDS
+# Usage: bash scripts/e2e/device-wait.sh SECONDS [DIR]   (DIR: the run's folder, default /tmp/e2e;
+#   device-v0.sh's is /tmp/e2e-v0)
 set -uo pipefail
+dir="${2:-/tmp/e2e}"
 deadline=$(( $(date +%s) + ${1:-500} ))
 seen=0
-while [[ ! -f /tmp/e2e/done && $(date +%s) -lt $deadline ]]; do
+while [[ ! -f "$dir/done" && $(date +%s) -lt $deadline ]]; do
   sleep 10
-  lines=$(wc -l < /tmp/e2e/run.log 2>/dev/null || echo 0)
-  if (( lines > seen )); then sed -n "$((seen + 1)),${lines}p" /tmp/e2e/run.log | grep -v -E '^\s*$' | cut -c1-300; seen=$lines; fi
+  lines=$(wc -l < "$dir/run.log" 2>/dev/null || echo 0)
+  if (( lines > seen )); then sed -n "$((seen + 1)),${lines}p" "$dir/run.log" | grep -v -E '^\s*$' | cut -c1-300; seen=$lines; fi
 done
-[[ -f /tmp/e2e/done ]] && echo "== finished: $(cat /tmp/e2e/done)" || echo "== still running"
-sed -n "$((seen + 1)),\$p" /tmp/e2e/run.log 2>/dev/null | cut -c1-300
+[[ -f "$dir/done" ]] && echo "== finished: $(cat "$dir/done")" || echo "== still running"
+sed -n "$((seen + 1)),\$p" "$dir/run.log" 2>/dev/null | cut -c1-300
 if [[ -n "${OUT:-}" ]]; then
   # A call brings back at most 8 files: the log, the latest partial results, and one archive of the rest
   # (results, benchmark and accuracy JSON, the bench's folder, the engine logs).
-  cp /tmp/e2e/run.log "$OUT"/run.log 2>/dev/null
-  cp /tmp/e2e/out/results-partial.json "$OUT"/ 2>/dev/null
-  tar czf "$OUT"/results.tgz -C /tmp/e2e out logs 2>/dev/null
+  cp "$dir/run.log" "$OUT"/run.log 2>/dev/null
+  cp "$dir/out"/results-partial.json "$OUT"/ 2>/dev/null
+  tar czf "$OUT"/results.tgz -C "$dir" out logs 2>/dev/null
 fi
 exit 0

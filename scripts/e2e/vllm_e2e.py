@@ -25,12 +25,18 @@ Phases (--phases, comma separated):
            The checks (nothing timed: rope, equality, needles, the engine's density, the captures and
            the --accuracy-run harness runs) share the GPU, --check-workers at once; the timed stages
            follow one at a time.
+  v0       GPU 0: vLLM 0.6.3.post1, the V0 engine, on Qwen2.5-Coder-1.5B, from the environment the front
+           door builds (`scripts/build.sh vllm-0.6.x --venv $E2E_V0_VENV --gpu`: the patched side) with
+           upstream's wheel unpacked into $E2E_V0_UPSTREAM (scripts/e2e/device-v0.sh does both): greedy
+           tokens at threshold 0, needles at 32K and 128K (YaRN through V0's rope_scaling), offline TTFT
+           at --lengths. Runs alone: the other phases speak vLLM 0.26's API.
 Results: --out DIR/results.json (every number) and the tables printed at the end (markdown).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -63,6 +69,10 @@ KV_BYTES = 8 << 30
 GPU_UTIL = 0.12  # only the start-up free-memory check reads it: the KV cache size is fixed by KV_BYTES
 LONG_LEN = 131072 + 1024  # max_model_len for the long-context runs (beyond SmolLM2's 8K: speed only)
 QWEN = "qwen2.5-coder-1.5b"
+V0_VENV = Path(os.environ.get("E2E_V0_VENV", "/tmp/venv-vllm-0.6.x"))
+V0_UPSTREAM = os.environ.get("E2E_V0_UPSTREAM", "/tmp/site-0.6")  # upstream 0.6.3.post1's wheel, unpacked
+V0_GPU_UTIL = 0.3  # V0 sizes its profile's budget from it; the cache itself is KV_BYTES (num_gpu_blocks_override)
+V0_START = threading.Lock()  # V0 measures free memory while it starts: one engine starts at a time
 NEEDLE_DEPTHS = [round(0.05 + 0.9 * i / 7, 3) for i in range(8)]
 PRINT_LOCK = threading.Lock()
 RESULTS_LOCK = threading.Lock()
@@ -74,9 +84,17 @@ def say(*parts) -> None:
         print(time.strftime("%H:%M:%S"), *parts, flush=True)
 
 
+V0 = False
+"""Set by the v0 phase: every engine is vLLM 0.6.3.post1 (the patched side from E2E_V0_VENV, the
+upstream side from E2E_V0_UPSTREAM ahead of it), its arguments translated by v0_engine."""
+
+
 def side_env(side: str, gpus: str) -> dict[str, str]:
     env = dict(os.environ)
-    path = [SITE] if side == "upstream" else [PATCHED, SITE, str(ROOT / "kernels")]
+    if V0:  # the venv holds the patched vLLM and the runtime package the front door installed
+        path = [V0_UPSTREAM] if side == "upstream" else []
+    else:
+        path = [SITE] if side == "upstream" else [PATCHED, SITE, str(ROOT / "kernels")]
     env.update(
         PYTHONPATH=":".join(path),
         CUDA_VISIBLE_DEVICES=gpus,
@@ -110,17 +128,22 @@ class Worker:
                  extra_env: dict[str, str] | None = None):  # fmt: skip
         self.name, self.side = name, side
         self.log = LOGS / f"{name}.log"
-        read_fd, write_fd = os.pipe()
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).with_name("engine_worker.py")), "--engine", json.dumps(engine),
-                 "--reply-fd", str(write_fd)],
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                env={**side_env(side, gpus), **(extra_env or {})}, pass_fds=(write_fd,), text=True,
-            )  # fmt: skip
-        os.close(write_fd)
-        self.replies = os.fdopen(read_fd, "r")
-        ready = self._reply(timeout)
+        python, env = sys.executable, {**side_env(side, gpus), **(extra_env or {})}
+        if V0:
+            engine, backend_env = v0_engine(engine)
+            python, env = str(V0_VENV / "bin" / "python"), {**env, **backend_env}
+        with V0_START if V0 else contextlib.nullcontext():
+            read_fd, write_fd = os.pipe()
+            with open(self.log, "w") as log:
+                self.proc = subprocess.Popen(
+                    [python, str(Path(__file__).with_name("engine_worker.py")), "--engine", json.dumps(engine),
+                     "--reply-fd", str(write_fd)],
+                    stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(write_fd,),
+                    text=True,
+                )  # fmt: skip
+            os.close(write_fd)
+            self.replies = os.fdopen(read_fd, "r")
+            ready = self._reply(timeout)
         self.startup_seconds = ready["startup_seconds"]
         say(f"{name} ({side}) ready in {self.startup_seconds:.0f} s")
 
@@ -234,6 +257,56 @@ def prompt_len(model: str, length: int, room: int = 64) -> int:
     """The prompt length a run at ``length`` uses: ``room`` tokens short of the model's longest runs, so
     the output fits (YaRN's rotary table ends at the extended length)."""
     return min(length, long_len(model) - room)
+
+
+def v0_checkpoint(model: str) -> Path:
+    """The converted checkpoint as vLLM 0.6.3's transformers (4.46) reads it, beside the original
+    (weights and other files linked): transformers 5 writes rope_theta inside rope_parameters, where 4.46
+    does not look (it would take its default base, silently), and writes extra_special_tokens as a list,
+    which 4.46's tokenizer loader cannot read."""
+    source, target = MODELS / model, MODELS / "v0" / model
+    target.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        link = target / path.name
+        if path.name not in ("config.json", "tokenizer_config.json") and not link.exists():
+            link.symlink_to(path)
+    config = json.loads((source / "config.json").read_text())
+    for key, value in (config.get("rope_parameters") or {}).items():
+        if key == "rope_theta" or (key == "rope_type" and value != "default"):
+            config.setdefault(key, value)
+    config.setdefault("torch_dtype", config.get("dtype", "bfloat16"))
+    (target / "config.json").write_text(json.dumps(config, indent=1))
+    tokenizer = json.loads((source / "tokenizer_config.json").read_text())
+    if isinstance(tokenizer.get("extra_special_tokens"), list):
+        del tokenizer["extra_special_tokens"]
+    (target / "tokenizer_config.json").write_text(json.dumps(tokenizer, indent=1))
+    return target
+
+
+def v0_engine(kwargs: dict) -> tuple[dict, dict[str, str]]:
+    """vLLM 0.26 ``LLM`` arguments (engine_kwargs, sparse) in vLLM 0.6.3's terms, and the environment the
+    engine needs: the backend through VLLM_ATTENTION_BACKEND, chunked prefill asked for (V0 turns it on by
+    itself only past 32K), the KV cache as a block count (V0 has no byte size; its cache is otherwise what
+    gpu_memory_utilization leaves after profiling), the model's rope scaling as rope_scaling (V0 has no
+    hf_overrides), on the checkpoint V0 reads (v0_checkpoint)."""
+    kwargs = dict(kwargs)
+    env = {}
+    backend = kwargs.pop("attention_backend", None)
+    if backend:
+        env["VLLM_ATTENTION_BACKEND"] = backend
+    model = Path(kwargs["model"]).name
+    overrides = kwargs.pop("hf_overrides", {})
+    if set(overrides) - {"rope_parameters"}:
+        raise EngineError(f"{model}: the V0 engine takes no hf_overrides ({overrides}); runs past the training "
+                          "length need the model's documented rope scaling")  # fmt: skip
+    if "rope_parameters" in overrides:
+        kwargs["rope_scaling"] = {k: v for k, v in overrides["rope_parameters"].items() if k != "rope_theta"}
+    config = json.loads((MODELS / model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    block_bytes = 16 * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 2  # bf16 K+V
+    kwargs.update(model=str(v0_checkpoint(model)), enable_chunked_prefill=True, gpu_memory_utilization=V0_GPU_UTIL,
+                  num_gpu_blocks_override=kwargs.pop("kv_cache_memory_bytes") // block_bytes, block_size=16)  # fmt: skip
+    return kwargs, env
 
 
 SPARSE_FLAGS: dict[str, object] = {}
@@ -376,16 +449,15 @@ def equality_stage(results: dict, gpus: str, model: str, tp: int, tag: str) -> N
             w.call(op="generate", prompts=[first], max_tokens=1)
             cache[side] = w.call(op="generate", prompts=[second], max_tokens=32, logprobs=2)
         rows += [dict(r, prompt="prefix-cache hit") for r in compare_tokens(cache["u"], cache["p"])]
-        forced = teacher_forced(up, pa, batch + [second], out["u"]["tokens"] + cache["u"]["tokens"])
         for row, n in zip(rows, [len(p) for p in batch] + [len(second)]):
             row["prompt_tokens"] = n
-        results[f"{tag}_greedy_threshold0"] = {
+        result = results[f"{tag}_greedy_threshold0"] = {
             "model": model, "tp": tp, "equal": sum(r["equal"] for r in rows), "prompts": len(rows), "rows": rows,
             "engine": "chunked prefill 2048, prefix caching on, patched --sparse-prefill-min-len 512",
-            "teacher_forced": forced,
         }  # fmt: skip
         say(f"{tag} greedy threshold 0: {sum(r['equal'] for r in rows)}/{len(rows)} prompts equal; "
             f"differing: {[r for r in rows if not r['equal']]}")
+        result["teacher_forced"] = teacher_forced(up, pa, batch + [second], out["u"]["tokens"] + cache["u"]["tokens"])
     finally:
         up.close()
         pa.close()
@@ -915,6 +987,21 @@ def qwen_phase(results: dict, gpus: str, args) -> None:
         run_stage(results, name, stage)
 
 
+def v0_phase(results: dict, gpus: str, args) -> None:
+    """vLLM 0.6.3.post1 patched against upstream on Qwen2.5-Coder-1.5B: greedy tokens at threshold 0, needles
+    at 32K and 128K (default config), then offline TTFT, each its own engine pair (V0's starts in turn)."""
+    global V0
+    V0 = True
+    for name, stage in (
+        ("v0_equality", lambda: equality_stage(results, gpus, QWEN, 1, "v0_qwen")),
+        ("v0_needles", lambda: needle_stage(results, gpus, QWEN, [32768 - 32, 131072 - 64], NEEDLE_DEPTHS,
+                                            "v0_qwen_needles")),
+        ("v0_offline_ttft", lambda: offline_ttft_stage(results, gpus, QWEN, args.lengths, args.repeats,
+                                                       "v0_qwen_offline_ttft")),
+    ):  # fmt: skip
+        run_stage(results, name, stage)
+
+
 # --------------------------------------------------------------------------------------------- chunk
 
 
@@ -978,13 +1065,14 @@ def compilations(logs: Path) -> dict:
 
 
 def report(results: dict) -> str:
-    lines = [f"# vLLM 0.26.0 end to end: {results['device']}, {results['date']}", ""]
+    lines = [f"# {results['engine']} end to end: {results['device']}, {results['date']}", ""]
     if f"{QWEN}_rope_check" in results:
         r = results[f"{QWEN}_rope_check"]
         lines.append(f"{QWEN} rope override applied by vLLM: {r['override_applied']} (first-token log-prob changes by up to "
                      f"{r['max_first_logprob_change']:.4f}); greedy tokens vLLM = transformers: "
                      + ", ".join(f"{label} {run['equal']}/{run['prompts']}" for label, run in r["runs"].items()))
-    for key in ("smollm2_greedy_threshold0", "gemma3_tp2_greedy_threshold0", "qwen_greedy_threshold0"):
+    for key in ("smollm2_greedy_threshold0", "gemma3_tp2_greedy_threshold0", "qwen_greedy_threshold0",
+                "v0_qwen_greedy_threshold0"):
         if key in results:
             r = results[key]
             lines.append(f"Greedy tokens, threshold 0, {r['model']} TP={r['tp']}: **{r['equal']}/{r['prompts']}** "
@@ -998,14 +1086,15 @@ def report(results: dict) -> str:
                     lines.append(f"  - prompt {row['prompt']} ({row['prompt_tokens']} tokens): first difference at "
                                  f"output token {row['first_diff']}, upstream top-1/top-2 margin "
                                  f"{row.get('upstream_margin', float('nan')):.3f} nats")  # fmt: skip
-    for key in ("gemma_needles", "qwen_needles"):
+    for key in ("gemma_needles", "qwen_needles", "v0_qwen_needles"):
         if key in results:
             lines += ["", f"| {results[key]['model']} needles | upstream correct | patched correct | same answer |",
                       "|---|---|---|---|"]  # fmt: skip
             for length, s in results[key]["by_length"].items():
                 lines.append(f"| {length} | {s['upstream_correct']}/{s['prompts']} | {s['patched_correct']}/{s['prompts']} "
                              f"| {s['same_answer']}/{s['prompts']} |")  # fmt: skip
-    for key in ("offline_ttft", "serve_ttft", "tp2_ttft", "qwen_offline_ttft", f"{QWEN}_serve_ttft"):
+    for key in ("offline_ttft", "serve_ttft", "tp2_ttft", "qwen_offline_ttft", f"{QWEN}_serve_ttft",
+                "v0_qwen_offline_ttft"):
         if key in results:
             lines += ["", f"| {key} ({results[key]['model']}) | upstream ms | patched ms | speedup |", "|---|---|---|---|"]
             for length, row in results[key]["by_length"].items():
@@ -1054,7 +1143,8 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated stage names to leave out (smol_equality, "
                         "gemma_needles, offline_ttft, serve_ttft, mixed_load, chunk_bench, engine_density, "
                         "tp2_equality, tp2_ttft, qwen_rope_check, qwen_equality, qwen_needles, qwen_accuracy_N, qwen_captures, "
-                        "qwen_engine_density, qwen_offline_ttft, qwen_variant_ttft, qwen_serve, qwen_layer_times)")  # fmt: skip
+                        "qwen_engine_density, qwen_offline_ttft, qwen_variant_ttft, qwen_serve, qwen_layer_times, v0_equality, "
+                        "v0_needles, v0_offline_ttft)")  # fmt: skip
     parser.add_argument("--capture-layers", default="7,21", help="layers of the qwen phase's captured q/k/v")
     parser.add_argument("--accuracy-run", action="append", default=[], metavar="ARGS",
                         help="arguments of one accuracy-harness run on the qwen model among the qwen phase's checks "
@@ -1078,11 +1168,13 @@ def main() -> None:
     LOGS.mkdir(parents=True, exist_ok=True)
     gpus = torch.cuda.device_count()
     device = f"{gpus}x {torch.cuda.get_device_name(0)}" if gpus else "no GPU"
-    results = {"device": device, "date": time.strftime("%Y-%m-%d"),
-               "torch": torch.__version__, "command": " ".join(sys.argv)}  # fmt: skip
+    phases = args.phases.split(",")
+    if "v0" in phases and len(phases) > 1:
+        parser.error("--phases v0 runs alone (its engines are vLLM 0.6.3's, the others vLLM 0.26's)")
+    results = {"device": device, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+               "engine": "vLLM 0.6.3.post1" if "v0" in phases else "vLLM 0.26.0", "command": " ".join(sys.argv)}  # fmt: skip
     global OUT_DIR
     out = OUT_DIR = Path(args.out)
-    phases = args.phases.split(",")
     # Two GPUs run the offline and serve phases side by side; one GPU runs them in turn (their timings
     # must not share it).
     with ThreadPoolExecutor(max_workers=2 if gpus > 1 else 1) as pool:
@@ -1100,6 +1192,8 @@ def main() -> None:
         tp_phase(results, "0,1", args)
     if "qwen" in phases:
         qwen_phase(results, "0", args)
+    if "v0" in phases:
+        v0_phase(results, "0", args)
     results["compilations"] = compilations(LOGS)
     for name, seen in results["compilations"].items():
         say(f"{name}: warm-up {'; '.join(seen['warmup']) or 'none'}; compiled during inference: "
