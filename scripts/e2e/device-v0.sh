@@ -3,12 +3,18 @@
 # the environment the front door builds (scripts/e2e/device-gpu-build.sh vllm-0.6.x, from the wheels
 # stage-gpu-build.sh staged in /tmp/gpu-build), built here unless $E2E_V0_VENV already has it; the upstream
 # side is the same engine wheel unpacked into $E2E_V0_UPSTREAM, ahead of the venv's patched copy on the path.
-# The models are those device-run.sh converted into /tmp/hf. The build needs no GPU: started while a
-# device-run.sh / device-session.sh run is under way, the GPU phase waits for that run's /tmp/e2e/done.
-# Everything goes to /tmp/e2e-v0 (run.log, out/, logs/, done) for `device-wait.sh SECONDS /tmp/e2e-v0`.
+# The models are those device-run.sh converted into /tmp/hf; where Qwen2.5-Coder-1.5B is not there yet, the
+# pieces of `STAGE_VLLM=0 STAGE_MODELS=qwen2.5-coder-1.5b scripts/e2e/stage.sh` are awaited in /tmp/stage
+# (until a call writes /tmp/stage/complete) and converted here. The pieces of stage-gpu-build.sh are
+# awaited the same way in $STAGE_DIR (until $STAGE_DIR/complete). Nothing before the GPU phase needs
+# the GPU: started while a device-run.sh / device-session.sh run is under way, it waits for that run's
+# /tmp/e2e/done. Everything goes to /tmp/e2e-v0 (run.log, out/, logs/, done) for
+# `device-wait.sh SECONDS /tmp/e2e-v0`.
 #
 # Usage (project root): mkdir -p /tmp/e2e-v0 && setsid nohup bash scripts/e2e/device-v0.sh [vllm_e2e.py ARGS...] \
 #   > /tmp/e2e-v0/run.log 2>&1 &
+#   (the first call carries the first piece; each later call one piece, the last of a stage also writing its
+#   complete-marker; STAGE_WAIT seconds, default 1200, bound each wait)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 venv="${E2E_V0_VENV:-/tmp/venv-vllm-0.6.x}"
@@ -21,7 +27,25 @@ trap 'echo "exit $?" > "$run/done"' EXIT
 rm -rf "$run/repo" && cp -a "$root" "$run/repo" && rm -rf "$run/repo/.device"  # later calls refresh the checkout
 cd "$run/repo"
 
-[[ -f "$venv/.built" ]] || { bash scripts/e2e/device-gpu-build.sh vllm-0.6.x "$venv" && touch "$venv/.built"; }
+wait_for() {  # FILE: wait for a staging call's complete-marker
+  local deadline=$(( $(date +%s) + ${STAGE_WAIT:-1200} ))
+  until [[ -f "$1" ]]; do
+    (( $(date +%s) < deadline )) || { echo "no $1 after ${STAGE_WAIT:-1200} s" >&2; exit 1; }
+    sleep 3
+  done
+}
+models="${E2E_MODELS:-/tmp/hf}"
+if [[ ! -f "$models/qwen2.5-coder-1.5b/config.json" ]]; then
+  echo "== waiting for the staged model (/tmp/stage/complete)"
+  wait_for /tmp/stage/complete
+  bash scripts/e2e/unpack-stage.sh
+  PYTHONPATH=/tmp/bundle/gguf-only PREFILL_ACCEL_CACHE=/tmp/bundle/cache \
+    python3 scripts/e2e/convert_models.py "$models" qwen2.5-coder-1.5b
+fi
+if [[ ! -f "$venv/.built" ]]; then
+  [[ -f "$stage/wheels/ENGINE_WHEEL" ]] || { echo "== waiting for the staged wheels ($stage/complete)"; wait_for "$stage/complete"; }
+  bash scripts/e2e/device-gpu-build.sh vllm-0.6.x "$venv" && touch "$venv/.built"
+fi
 if [[ ! -d "$upstream/vllm" ]]; then
   "$venv/bin/python" -m pip install -q --no-index --no-deps --no-compile --target "$upstream" \
     "$stage/wheels/$(cat "$stage/wheels/ENGINE_WHEEL")"

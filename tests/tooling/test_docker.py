@@ -197,6 +197,37 @@ def test_a_gpu_venv_on_a_python_no_pinned_wheel_fits_is_refused_naming_the_pins(
         commands._run_build(_build_args(target="sglang-0.5.16", venv=tmp_path / "v", gpu=True))
 
 
+def test_a_python_that_cannot_seed_pip_still_gets_a_venv_with_pip(monkeypatch, tmp_path):
+    """The GPU machine's image or Debian without python3-venv: `python -m venv` stops at ensurepip. The
+    venv is made again without pip, and this interpreter's pip installs pip into it."""
+    ran = []
+
+    def run(cmd, env=None):
+        ran.append([str(part) for part in cmd])
+        if cmd[1:3] == ["-m", "venv"]:
+            Path(cmd[-1]).mkdir(parents=True)
+            if "--without-pip" not in cmd:
+                raise envbuild.ToolingError("Error: Command '['v/bin/python', '-m', 'ensurepip', '--upgrade', "
+                                            "'--default-pip']' returned non-zero exit status 1.")
+        return ""
+
+    monkeypatch.setattr(envbuild, "_run", run)
+    venv = tmp_path / "v"
+    envbuild._create_venv(venv)
+    assert ran == [[sys.executable, "-m", "venv", str(venv)],
+                   [sys.executable, "-m", "venv", "--without-pip", str(venv)],
+                   [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "pip"]]  # fmt: skip
+
+
+def test_a_venv_failure_other_than_ensurepip_is_reported(monkeypatch, tmp_path):
+    def run(cmd, env=None):
+        raise envbuild.ToolingError("python -m venv ... failed (exit 1):\nError: [Errno 28] No space left on device")
+
+    monkeypatch.setattr(envbuild, "_run", run)
+    with pytest.raises(envbuild.ToolingError, match="No space left"):
+        envbuild._create_venv(tmp_path / "v")
+
+
 @pytest.mark.parametrize("filename, tag, installs", [
     ("vllm-0.6.3.post1-cp38-abi3-manylinux1_x86_64.whl", "cp312", True),
     ("vllm-0.6.3.post1-cp38-abi3-manylinux1_x86_64.whl", "cp37", False),

@@ -96,7 +96,7 @@ def _engine_venv(target: Target, root: Path, venv: Path, progress: Progress) -> 
         raise UsageError(f"{target.name}: no venv requirements file {requirements}")
     python = venv / "bin" / "python"
     with progress.step(f"Creating virtualenv {venv}"):
-        _run([sys.executable, "-m", "venv", str(venv)])
+        _create_venv(venv)
     with progress.step(f"Installing pinned CPU dependencies ({requirements.name})"):
         _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-r", str(requirements)])
     wheel = registry.fetch_file(target.engine, target.wheel, target.wheel_sha256, root, progress)
@@ -114,7 +114,7 @@ def _gpu_engine_venv(target: Target, root: Path, venv: Path, progress: Progress)
     target's gpu_constraints; not yet patched. Returns its python."""
     python = venv / "bin" / "python"
     with progress.step(f"Creating virtualenv {venv}"):
-        _run([sys.executable, "-m", "venv", str(venv)])
+        _create_venv(venv)
     held = []
     if target.gpu_constraints:
         constraints = venv / "prefill-accel-constraints.txt"
@@ -126,6 +126,21 @@ def _gpu_engine_venv(target: Target, root: Path, venv: Path, progress: Progress)
     with progress.step(f"Installing {wheel.name} with {pinned}"):
         _run([str(python), "-m", "pip", "install", "-q", *held, str(wheel)])
     return python
+
+
+def _create_venv(venv: Path) -> None:
+    """A virtualenv with pip. An interpreter whose standard library cannot seed pip (no ensurepip, or
+    Debian's without python3-venv) gets the virtualenv without pip, then pip installed into it by this
+    interpreter's own pip (``pip --python``), from the index or the wheels PIP_FIND_LINKS names."""
+    try:
+        _run([sys.executable, "-m", "venv", str(venv)])
+        return
+    except ToolingError as error:
+        if "ensurepip" not in str(error):
+            raise
+    shutil.rmtree(venv, ignore_errors=True)
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    _run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "pip"])
 
 
 def _python_tag(python: Path) -> str:
