@@ -251,3 +251,12 @@ def test_ttft_pairs_name_the_two_sides_and_alternate_which_goes_first(driver, mo
     row = table[1024]
     assert (row["variant_ms"], row["default_ms"]) == (200.0, 100.0) and row["speedup"] == pytest.approx(2.0)
     assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then the first side alternates
+
+
+def test_a_v0_equality_report_says_why_the_teacher_forced_check_did_not_run(driver):
+    results = {"engine": "vLLM 0.6.3.post1", "device": "1x GPU", "date": "2026-12-04", "v0_qwen_greedy_threshold0": {
+        "model": driver.QWEN, "tp": 1, "equal": 11, "prompts": 11, "rows": [], "engine": "chunked prefill 2048",
+        "teacher_forced": {"skipped": driver.V0_NO_PROMPT_LOGPROBS}}}
+    text = driver.report(results)
+    assert "**11/11** prompts equal" in text
+    assert "teacher-forced comparison not run: vLLM 0.6.3.post1 fails prompt_logprobs on a prefix-cache hit" in text

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Pack everything the end-to-end vLLM run needs on the GPU machine into pieces of at most 60 MiB,
+# Pack everything the end-to-end vLLM run needs on the GPU machine into pieces of at most 56 MiB,
 # one piece per device call (a call carries at most 64 MiB with the checkout).
 #
 # Usage (project root): [STAGE_MODELS="smollm2"] [STAGE_VLLM=0] bash scripts/e2e/stage.sh [OUTDIR]
@@ -53,5 +53,5 @@ done
 
 (cd "$work/bundle" && find . -type f ! -name SHA256SUMS -print0 | sort -z | xargs -0 sha256sum > SHA256SUMS)
 rm -rf "$out" && mkdir -p "$out"
-tar cf - -C "$work/bundle" . | split -b 60M -d - "$out/piece."
+tar cf - -C "$work/bundle" . | split -b 56M -d - "$out/piece."
 ls -l "$out" >&2
