@@ -121,6 +121,62 @@ def test_v0_engines_get_the_backend_chunking_cache_and_rope_scaling_in_vllm_06_t
         driver.v0_engine(driver.engine_kwargs("smollm2", max_model_len=132096, chunk=16384, eager=False))
 
 
+# ServerArgs fields of SGLang 0.5.16 (read in its wheel's sglang/srt/server_args.py) and the patch's flags.
+SGLANG_FIELDS = {"model_path", "dtype", "random_seed", "context_length", "tp_size", "chunked_prefill_size",
+                 "max_prefill_tokens", "disable_radix_cache", "max_total_tokens", "mem_fraction_static",
+                 "disable_cuda_graph", "attention_backend", "log_level", "json_model_override_args",
+                 "prefill_attention_backend"}  # fmt: skip
+
+
+def test_sglang_engines_get_fa3_decoding_sparse_prefill_the_chunk_pool_and_yarn_in_serverargs_terms(driver, tmp_path,
+                                                                                                   monkeypatch):  # fmt: skip
+    monkeypatch.setattr(driver, "MODELS", tmp_path)
+    qwen_checkpoint(tmp_path, driver.QWEN)
+    kwargs = driver.engine_kwargs(driver.QWEN, max_model_len=131072, chunk=16384, eager=False, **driver.sparse(min_len=512))
+    engine, env = driver.sglang_engine(kwargs)
+    assert set(engine) - {k for k in engine if k.startswith("sparse_prefill_")} <= SGLANG_FIELDS
+    assert engine["attention_backend"] == "fa3" and engine["prefill_attention_backend"] == "sparse_prefill"
+    assert engine["sparse_prefill_min_len"] == 512
+    assert engine["chunked_prefill_size"] == engine["max_prefill_tokens"] == 16384
+    assert engine["context_length"] == 131072 and not engine["disable_radix_cache"] and not engine["disable_cuda_graph"]
+    # 8 GiB of bf16 K+V at 28 layers x 2 KV heads x 128 per token.
+    assert engine["max_total_tokens"] == driver.KV_BYTES // (28 * 2 * 2 * 128 * 2) == 299593
+    assert json.loads(engine["json_model_override_args"])["rope_parameters"]["rope_type"] == "yarn"
+    assert env == {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
+    upstream, env = driver.sglang_engine(driver.engine_kwargs(driver.QWEN, max_model_len=32768, chunk=2048, eager=True))
+    assert env == {} and "prefill_attention_backend" not in upstream and "json_model_override_args" not in upstream
+    assert upstream["disable_cuda_graph"] and upstream["model_path"] == str(tmp_path / driver.QWEN)
+    with pytest.raises(driver.EngineError, match=r"no SGLang translation for \['block_size'\]"):
+        driver.sglang_engine({**kwargs, "block_size": 16})
+
+
+def test_the_sglang_phase_runs_alone(driver, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["vllm_e2e.py", "--phases", "sglang,qwen"])
+    with pytest.raises(SystemExit):
+        driver.main()
+
+
+def test_a_v0_server_takes_the_backend_from_the_environment_and_keeps_v0_defaults_without_flags(driver, tmp_path,
+                                                                                              monkeypatch):  # fmt: skip
+    """vLLM 0.6.3's OpenAI server for what `vllm serve` gets on 0.26 (arguments checked against 0.6.3's own
+    parser and create_engine_config on CPU, 2026-12-04)."""
+    monkeypatch.setattr(driver, "MODELS", tmp_path)
+    qwen_checkpoint(tmp_path, driver.QWEN)
+    command, env = driver.v0_server(driver.QWEN, 8111, ["--max-num-batched-tokens", "16384",
+                                                        "--attention-backend", "SPARSE_PREFILL"])  # fmt: skip
+    assert env == {"VLLM_ATTENTION_BACKEND": "SPARSE_PREFILL"} and "--attention-backend" not in command
+    assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert command[command.index("--model") + 1] == str(tmp_path / "v0" / driver.QWEN)
+    assert command[command.index("--max-model-len") + 1] == "131072"
+    assert json.loads(command[command.index("--rope-scaling") + 1])["rope_type"] == "yarn"
+    assert {"--enable-prefix-caching", "--enable-chunked-prefill"} <= set(command)
+    assert command[-2:] == ["--max-num-batched-tokens", "16384"]
+    # The scheduler's flags need chunked prefill; upstream at its defaults keeps V0's own choice.
+    assert "--enable-chunked-prefill" in driver.v0_server(driver.QWEN, 8104, driver.mixed_flags("default", 20.0))[0]
+    defaults, env = driver.v0_server(driver.QWEN, 8103, [])
+    assert env == {} and "--enable-chunked-prefill" not in defaults
+
+
 def test_the_v0_phase_runs_alone(driver, monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["vllm_e2e.py", "--phases", "v0,qwen"])
     with pytest.raises(SystemExit):
@@ -260,3 +316,35 @@ def test_a_v0_equality_report_says_why_the_teacher_forced_check_did_not_run(driv
     text = driver.report(results)
     assert "**11/11** prompts equal" in text
     assert "teacher-forced comparison not run: vLLM 0.6.3.post1 fails prompt_logprobs on a prefix-cache hit" in text
+
+
+def test_the_sglang_worker_reads_output_ids_and_top_logprobs_as_sglang_returns_them(monkeypatch):
+    """SGLang's Engine.generate: one dict per prompt, "output_ids", and per position (logprob, token id, text)
+    triples in meta_info (None where it has none, as for the first prompt position)."""
+    import sys
+    import types
+
+    spec = importlib.util.spec_from_file_location("engine_worker", SCRIPT.with_name("engine_worker.py"))
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    calls = []
+
+    class Engine:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+        def generate(self, input_ids, sampling_params, **options):
+            calls.append((sampling_params, options))
+            return [{"output_ids": [7, 8], "meta_info": {
+                "output_top_logprobs": [[(-0.1, 7, "a"), (-2.5, 9, "b")], [(-3.0, 1, None), (-0.2, 8, None)]],
+                "input_top_logprobs": [None, [(-1.0, 5, None)]]}} for _ in input_ids]
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=Engine))
+    engine = worker.ENGINES["sglang"]({"model_path": "m"})
+    tokens, tops = engine.generate([[1, 2], [3]], 2, 2)
+    assert tokens == [[7, 8], [7, 8]]
+    assert tops[0] == [[(7, -0.1), (9, -2.5)], [(8, -0.2), (1, -3.0)]]  # best first
+    assert calls[-1] == ({"temperature": 0.0, "max_new_tokens": 2}, {"return_logprob": True, "top_logprobs_num": 2})
+    assert engine.generate([[1]], 1, 0) == ([[7, 8]], None)
+    assert engine.prompt_top([[1, 2]], 1) == [[None, [(5, -1.0)]]]
+    assert calls[-1][1] == {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 1}

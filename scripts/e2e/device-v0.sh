@@ -27,21 +27,8 @@ trap 'echo "exit $?" > "$run/done"' EXIT
 rm -rf "$run/repo" && cp -a "$root" "$run/repo" && rm -rf "$run/repo/.device"  # later calls refresh the checkout
 cd "$run/repo"
 
-wait_for() {  # FILE: wait for a staging call's complete-marker
-  local deadline=$(( $(date +%s) + ${STAGE_WAIT:-1200} ))
-  until [[ -f "$1" ]]; do
-    (( $(date +%s) < deadline )) || { echo "no $1 after ${STAGE_WAIT:-1200} s" >&2; exit 1; }
-    sleep 3
-  done
-}
-models="${E2E_MODELS:-/tmp/hf}"
-if [[ ! -f "$models/qwen2.5-coder-1.5b/config.json" ]]; then
-  echo "== waiting for the staged model (/tmp/stage/complete)"
-  wait_for /tmp/stage/complete
-  bash scripts/e2e/unpack-stage.sh
-  PYTHONPATH=/tmp/bundle/gguf-only PREFILL_ACCEL_CACHE=/tmp/bundle/cache \
-    python3 scripts/e2e/convert_models.py "$models" qwen2.5-coder-1.5b
-fi
+source scripts/e2e/device-staging.sh
+staged_model qwen2.5-coder-1.5b
 if [[ ! -f "$venv/.built" ]]; then
   [[ -f "$stage/wheels/ENGINE_WHEEL" ]] || { echo "== waiting for the staged wheels ($stage/complete)"; wait_for "$stage/complete"; }
   bash scripts/e2e/device-gpu-build.sh vllm-0.6.x "$venv" && touch "$venv/.built"
@@ -54,10 +41,7 @@ for path in "$upstream" ""; do
   PYTHONPATH="$path" "$venv/bin/python" -c "import vllm, vllm.engine.arg_utils as a; print('vllm', vllm.__version__, \
 vllm.__file__, 'sparse flags:', hasattr(a.EngineArgs, 'sparse_prefill_threshold'))"
 done
-if [[ -d /tmp/e2e && ! -f /tmp/e2e/done ]]; then
-  echo "== waiting for the run in /tmp/e2e to finish"
-  until [[ -f /tmp/e2e/done ]]; do sleep 5; done
-fi
+wait_for_gpu_run
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 echo "== vllm_e2e.py --phases v0 $*"
 E2E_V0_VENV="$venv" E2E_V0_UPSTREAM="$upstream" E2E_LOGS="$run/logs" PYTHONUNBUFFERED=1 \

@@ -29,7 +29,13 @@ Phases (--phases, comma separated):
            door builds (`scripts/build.sh vllm-0.6.x --venv $E2E_V0_VENV --gpu`: the patched side) with
            upstream's wheel unpacked into $E2E_V0_UPSTREAM (scripts/e2e/device-v0.sh does both): greedy
            tokens at threshold 0, needles at 32K and 128K (YaRN through V0's rope_scaling), offline TTFT
-           at --lengths. Runs alone: the other phases speak vLLM 0.26's API.
+           at --lengths, TTFT through its OpenAI server with `prefill-accel bench` against the two
+           servers, and the mixed load (the scheduler flags against upstream 0.6.3's defaults). Runs
+           alone: the other phases speak vLLM 0.26's API.
+  sglang   GPU 0: SGLang 0.5.16's offline Engine on Qwen2.5-Coder-1.5B, upstream installed in $E2E_SGL_SITE
+           and the patched files in $E2E_SGL_PATCHED ahead of it (scripts/e2e/device-sglang.sh), decoding
+           with fa3, the patched side prefilling with sparse_prefill: greedy tokens at threshold 0, needles
+           at 32K and 128K and offline TTFT as in the v0 phase, in SGLang's terms (sglang_engine). Runs alone.
 Results: --out DIR/results.json (every number) and the tables printed at the end (markdown).
 """
 
@@ -77,7 +83,10 @@ V0_NO_PROMPT_LOGPROBS = (
     "len(next_token_ids) == len(query_indices); upstream issue vllm-project/vllm#8268, seen on the unpatched "
     "engine on the H200 2026-12-04), so V0 runs compare greedy tokens only"
 )
-V0_START = threading.Lock()  # V0 measures free memory while it starts: one engine starts at a time
+SGL_SITE = os.environ.get("E2E_SGL_SITE", "/tmp/sglang-site")
+SGL_PATCHED = os.environ.get("E2E_SGL_PATCHED", "/tmp/sglang-patched")
+SGL_MEM_FRACTION = 0.3  # SGLang's static memory share; the KV pool itself is KV_BYTES (max_total_tokens)
+START_ONE = threading.Lock()  # V0 and SGLang measure free memory while they start: one engine starts at a time
 NEEDLE_DEPTHS = [round(0.05 + 0.9 * i / 7, 3) for i in range(8)]
 PRINT_LOCK = threading.Lock()
 RESULTS_LOCK = threading.Lock()
@@ -89,15 +98,19 @@ def say(*parts) -> None:
         print(time.strftime("%H:%M:%S"), *parts, flush=True)
 
 
-V0 = False
-"""Set by the v0 phase: every engine is vLLM 0.6.3.post1 (the patched side from E2E_V0_VENV, the
-upstream side from E2E_V0_UPSTREAM ahead of it), its arguments translated by v0_engine."""
+ENGINE = "vllm"
+"""The engine of every worker in the run: "vllm" (vLLM 0.26.0); "vllm-v0", set by the v0 phase (vLLM
+0.6.3.post1: the patched side from E2E_V0_VENV, the upstream side from E2E_V0_UPSTREAM ahead of it, the
+arguments translated by v0_engine); "sglang", set by the sglang phase (SGLang 0.5.16's Engine, the
+arguments translated by sglang_engine)."""
 
 
 def side_env(side: str, gpus: str) -> dict[str, str]:
     env = dict(os.environ)
-    if V0:  # the venv holds the patched vLLM and the runtime package the front door installed
+    if ENGINE == "vllm-v0":  # the venv holds the patched vLLM and the runtime package the front door installed
         path = [V0_UPSTREAM] if side == "upstream" else []
+    elif ENGINE == "sglang":
+        path = [SGL_SITE] if side == "upstream" else [SGL_PATCHED, SGL_SITE, str(ROOT / "kernels")]
     else:
         path = [SITE] if side == "upstream" else [PATCHED, SITE, str(ROOT / "kernels")]
     env.update(
@@ -127,22 +140,25 @@ class EngineError(RuntimeError):
 
 
 class Worker:
-    """An offline vLLM engine in its own process (scripts/e2e/engine_worker.py)."""
+    """An offline engine in its own process (scripts/e2e/engine_worker.py)."""
 
     def __init__(self, name: str, side: str, gpus: str, engine: dict, timeout: float = 420.0,
                  extra_env: dict[str, str] | None = None):  # fmt: skip
         self.name, self.side = name, side
         self.log = LOGS / f"{name}.log"
-        python, env = sys.executable, {**side_env(side, gpus), **(extra_env or {})}
-        if V0:
+        python, env, api = sys.executable, {**side_env(side, gpus), **(extra_env or {})}, "vllm"
+        if ENGINE == "vllm-v0":
             engine, backend_env = v0_engine(engine)
             python, env = str(V0_VENV / "bin" / "python"), {**env, **backend_env}
-        with V0_START if V0 else contextlib.nullcontext():
+        elif ENGINE == "sglang":
+            engine, engine_env = sglang_engine(engine)
+            env, api = {**env, **engine_env}, "sglang"
+        with START_ONE if ENGINE != "vllm" else contextlib.nullcontext():
             read_fd, write_fd = os.pipe()
             with open(self.log, "w") as log:
                 self.proc = subprocess.Popen(
                     [python, str(Path(__file__).with_name("engine_worker.py")), "--engine", json.dumps(engine),
-                     "--reply-fd", str(write_fd)],
+                     "--api", api, "--reply-fd", str(write_fd)],
                     stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(write_fd,),
                     text=True,
                 )  # fmt: skip
@@ -181,24 +197,33 @@ class Worker:
 
 
 class Server:
-    """`vllm serve` in its own process."""
+    """`vllm serve` in its own process (vLLM 0.6.3's OpenAI server in the v0 phase, v0_server)."""
 
     def __init__(self, name: str, side: str, gpus: str, model: Path, port: int, args: list[str]):
         self.name, self.side, self.port, self.model = name, side, port, str(model)
         self.log = LOGS / f"{name}.log"
         max_len = long_len(model.name)
-        command = [sys.executable, "-c", "from vllm.entrypoints.cli.main import main; main()", "serve", str(model),
-                   "--port", str(port), "--dtype", "bfloat16", "--seed", "0", "--kv-cache-memory-bytes", str(KV_BYTES),
-                   "--gpu-memory-utilization", str(GPU_UTIL), "--max-model-len", str(max_len),
-                   "--hf-overrides", json.dumps(long_context_overrides(model.name, max_len)),
-                   *args]  # fmt: skip
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=side_env(side, gpus))
+        env = side_env(side, gpus)
+        if ENGINE == "vllm-v0":
+            command, backend_env = v0_server(model.name, port, args)
+            self.model, env = command[command.index("--model") + 1], {**env, **backend_env}
+        else:
+            command = [sys.executable, "-c", "from vllm.entrypoints.cli.main import main; main()", "serve", str(model),
+                       "--port", str(port), "--dtype", "bfloat16", "--seed", "0", "--kv-cache-memory-bytes", str(KV_BYTES),
+                       "--gpu-memory-utilization", str(GPU_UTIL), "--max-model-len", str(max_len),
+                       "--hf-overrides", json.dumps(long_context_overrides(model.name, max_len)),
+                       *args]  # fmt: skip
+        with START_ONE if ENGINE == "vllm-v0" else contextlib.nullcontext(), open(self.log, "w") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            if ENGINE == "vllm-v0":  # V0 profiles free memory while it starts: the next one waits until it serves
+                self.wait_ready()
         self.started = time.monotonic()
 
     def wait_ready(self, timeout: float = 420.0) -> None:
         import urllib.request
 
+        if getattr(self, "startup_seconds", None) is not None:
+            return
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -312,6 +337,67 @@ def v0_engine(kwargs: dict) -> tuple[dict, dict[str, str]]:
     kwargs.update(model=str(v0_checkpoint(model)), enable_chunked_prefill=True, gpu_memory_utilization=V0_GPU_UTIL,
                   num_gpu_blocks_override=kwargs.pop("kv_cache_memory_bytes") // block_bytes, block_size=16)  # fmt: skip
     return kwargs, env
+
+
+def sglang_engine(kwargs: dict) -> tuple[dict, dict[str, str]]:
+    """vLLM 0.26 ``LLM`` arguments (engine_kwargs, sparse) as SGLang 0.5.16 ``Engine`` (ServerArgs) fields,
+    and the environment it needs: fa3 for decoding, sparse_prefill for prefill on the patched side; the
+    chunk as chunked_prefill_size (and the prefill batch's token cap); the radix cache for prefix caching;
+    the KV pool as a token count (SGLang has no byte size); CUDA graphs off for eager; the model's rope
+    scaling as a config override, with the longer context allowed (SGLang derives none from YaRN's
+    parameters)."""
+    kwargs = dict(kwargs)
+    model = Path(kwargs.pop("model"))
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    token_bytes = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 2  # bf16 K+V
+    engine = dict(model_path=str(model), dtype=kwargs.pop("dtype"), random_seed=kwargs.pop("seed"),
+                  context_length=kwargs.pop("max_model_len"), tp_size=kwargs.pop("tensor_parallel_size"),
+                  chunked_prefill_size=kwargs["max_num_batched_tokens"],
+                  max_prefill_tokens=kwargs.pop("max_num_batched_tokens"),
+                  disable_radix_cache=not kwargs.pop("enable_prefix_caching"),
+                  max_total_tokens=kwargs.pop("kv_cache_memory_bytes") // token_bytes,
+                  mem_fraction_static=SGL_MEM_FRACTION, disable_cuda_graph=kwargs.pop("enforce_eager"),
+                  attention_backend="fa3", log_level="info")  # fmt: skip
+    kwargs.pop("gpu_memory_utilization")
+    env = {}
+    overrides = kwargs.pop("hf_overrides", {})
+    if overrides:
+        engine["json_model_override_args"] = json.dumps(overrides)
+        env["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
+    if kwargs.pop("attention_backend", None):
+        engine["prefill_attention_backend"] = "sparse_prefill"
+    engine.update({k: kwargs.pop(k) for k in list(kwargs) if k.startswith("sparse_prefill_")})
+    if kwargs:
+        raise EngineError(f"sglang_engine: no SGLang translation for {sorted(kwargs)}")
+    return engine, env
+
+
+def v0_server(model: str, port: int, args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command of vLLM 0.6.3's OpenAI server for a run that `vllm serve MODEL ARGS` makes on 0.26, and
+    the environment it needs: as v0_engine (the backend through VLLM_ATTENTION_BACKEND, the cache as a block
+    count, the rope scaling, the checkpoint V0 reads) with prefix caching on as 0.26's default. Chunked
+    prefill is asked for wherever the run sets flags (a step budget, or the scheduler's flags, which need
+    it); a run with none keeps V0's own default (on a GPU, chunked prefill past 32K tokens of
+    max_model_len), as an operator of upstream 0.6.3 sees it."""
+    args = list(args)
+    env = {}
+    if "--attention-backend" in args:
+        i = args.index("--attention-backend")
+        env["VLLM_ATTENTION_BACKEND"] = args[i + 1]
+        del args[i : i + 2]
+    max_len = long_len(model)
+    kwargs, _ = v0_engine(engine_kwargs(model, max_model_len=max_len, chunk=16384, eager=False))
+    command = [str(V0_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", kwargs["model"],
+               "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--seed", "0",
+               "--max-model-len", str(max_len), "--gpu-memory-utilization", str(V0_GPU_UTIL),
+               "--num-gpu-blocks-override", str(kwargs["num_gpu_blocks_override"]), "--block-size", "16",
+               "--enable-prefix-caching"]  # fmt: skip
+    if "rope_scaling" in kwargs:
+        command += ["--rope-scaling", json.dumps(kwargs["rope_scaling"])]
+    if args or env:
+        command.append("--enable-chunked-prefill")
+    return command + args, env
 
 
 SPARSE_FLAGS: dict[str, object] = {}
@@ -462,7 +548,7 @@ def equality_stage(results: dict, gpus: str, model: str, tp: int, tag: str) -> N
         }  # fmt: skip
         say(f"{tag} greedy threshold 0: {sum(r['equal'] for r in rows)}/{len(rows)} prompts equal; "
             f"differing: {[r for r in rows if not r['equal']]}")
-        if V0:  # the scored texts extend cached prompts; V0's sampler asserts on prompt logprobs after a prefix hit
+        if ENGINE == "vllm-v0":  # the scored texts extend cached prompts; V0's sampler asserts on prompt logprobs after a prefix hit
             result["teacher_forced"] = {"skipped": V0_NO_PROMPT_LOGPROBS}
         else:
             result["teacher_forced"] = teacher_forced(up, pa, batch + [second], out["u"]["tokens"] + cache["u"]["tokens"])
@@ -588,9 +674,14 @@ def offline_ttft_stage(results: dict, gpus: str, model: str, lengths: list[int],
     base = dict(max_model_len=max_len, chunk=16384, eager=False)
     workers = pair(f"{model}-ttft", gpus, engine_kwargs(model, **base), engine_kwargs(model, **base, **sparse()))
     table = offline_ttft_table(model, workers, lengths, repeats)
-    results[key] = {"model": model, "engine": f"LLM, max_model_len {max_len} {long_context_overrides(model, max_len)}, "
-                    "chunked prefill 16384, prefix caching on, CUDA graphs + torch.compile (defaults); patched: "
-                    "default sparse config" + sparse_flags_note(), "by_length": table}  # fmt: skip
+    if ENGINE == "sglang":
+        engine = (f"Engine, context_length {max_len} {long_context_overrides(model, max_len)}, chunked_prefill_size "
+                  "16384, radix cache on, CUDA graphs (defaults), decode fa3; patched: prefill sparse_prefill")
+    else:
+        engine = (f"LLM, max_model_len {max_len} {long_context_overrides(model, max_len)}, chunked prefill 16384, "
+                  "prefix caching on, CUDA graphs + torch.compile (defaults); patched")
+    results[key] = {"model": model, "engine": engine + ", default sparse config" + sparse_flags_note(),
+                    "by_length": table}  # fmt: skip
 
 
 def variant_ttft_stage(results: dict, gpus: str, model: str, lengths: list[int], repeats: int,
@@ -760,7 +851,7 @@ def mixed_stage(results: dict, gpus: str, tok, corpus: Corpus, model: Path, args
         unloaded, loaded = row["unloaded"], row["loaded"]
         row["ttft_p99_ratio"] = loaded["ttft_p99_ms"] / unloaded["ttft_p99_ms"]
         row["itl_p99_ratio"] = loaded["itl_p99_ms"] / unloaded["itl_p99_ms"]
-    results["mixed_load"] = {"model": "smollm2", "long_tokens": len(prompts["long"]), "rate_per_s": args.mixed_rate,
+    results["mixed_load"] = {"model": model.name, "long_tokens": len(prompts["long"]), "rate_per_s": args.mixed_rate,
                              "seconds": args.mixed_seconds, "short_max_tokens": 48, "configs": table}  # fmt: skip
 
 
@@ -871,8 +962,9 @@ def serve_bench_stage(results: dict, gpus: str, model: str, args) -> None:
         f"{model}-serve-patched", "patched", gpus, path, 8112, [*chunk, "--attention-backend", "SPARSE_PREFILL"]
     ) as pa:
         table = ttft_pairs(up, pa, served_ttft, [prompt_len(model, n) for n in args.lengths], args.repeats, corpus, 500)
+        server = "vLLM 0.6.3's OpenAI server (v0_server)" if ENGINE == "vllm-v0" else "vllm serve"
         results[f"{model}_serve_ttft"] = {
-            "model": model, "engine": "vllm serve, streaming /v1/completions, --max-num-batched-tokens 16384, "
+            "model": model, "engine": f"{server}, streaming /v1/completions, --max-num-batched-tokens 16384, "
             f"--max-model-len {long_len(model)} {long_context_overrides(model, long_len(model))} both sides; patched: "
             "--attention-backend SPARSE_PREFILL, default sparse config" + sparse_flags_note(), "by_length": table,
         }  # fmt: skip
@@ -998,14 +1090,32 @@ def qwen_phase(results: dict, gpus: str, args) -> None:
 def v0_phase(results: dict, gpus: str, args) -> None:
     """vLLM 0.6.3.post1 patched against upstream on Qwen2.5-Coder-1.5B: greedy tokens at threshold 0, needles
     at 32K and 128K (default config), then offline TTFT, each its own engine pair (V0's starts in turn)."""
-    global V0
-    V0 = True
+    global ENGINE
+    ENGINE = "vllm-v0"
     for name, stage in (
         ("v0_equality", lambda: equality_stage(results, gpus, QWEN, 1, "v0_qwen")),
         ("v0_needles", lambda: needle_stage(results, gpus, QWEN, [32768 - 32, 131072 - 64], NEEDLE_DEPTHS,
                                             "v0_qwen_needles")),
         ("v0_offline_ttft", lambda: offline_ttft_stage(results, gpus, QWEN, args.lengths, args.repeats,
                                                        "v0_qwen_offline_ttft")),
+        ("v0_serve", lambda: serve_bench_stage(results, gpus, QWEN, args)),
+        ("v0_mixed_load", lambda: mixed_stage(results, gpus, tokenizer_for(QWEN), Corpus(tokenizer_for(QWEN), 256 * 1024),
+                                              MODELS / QWEN, args)),
+    ):  # fmt: skip
+        run_stage(results, name, stage)
+
+
+def sglang_phase(results: dict, gpus: str, args) -> None:
+    """SGLang 0.5.16 patched against upstream on Qwen2.5-Coder-1.5B: the v0 phase's stages, each its own
+    Engine pair (started in turn)."""
+    global ENGINE
+    ENGINE = "sglang"
+    for name, stage in (
+        ("sglang_equality", lambda: equality_stage(results, gpus, QWEN, 1, "sglang_qwen")),
+        ("sglang_needles", lambda: needle_stage(results, gpus, QWEN, [32768 - 32, 131072 - 64], NEEDLE_DEPTHS,
+                                                "sglang_qwen_needles")),
+        ("sglang_offline_ttft", lambda: offline_ttft_stage(results, gpus, QWEN, args.lengths, args.repeats,
+                                                           "sglang_qwen_offline_ttft")),
     ):  # fmt: skip
         run_stage(results, name, stage)
 
@@ -1080,7 +1190,7 @@ def report(results: dict) -> str:
                      f"{r['max_first_logprob_change']:.4f}); greedy tokens vLLM = transformers: "
                      + ", ".join(f"{label} {run['equal']}/{run['prompts']}" for label, run in r["runs"].items()))
     for key in ("smollm2_greedy_threshold0", "gemma3_tp2_greedy_threshold0", "qwen_greedy_threshold0",
-                "v0_qwen_greedy_threshold0"):
+                "v0_qwen_greedy_threshold0", "sglang_qwen_greedy_threshold0"):
         if key in results:
             r = results[key]
             lines.append(f"Greedy tokens, threshold 0, {r['model']} TP={r['tp']}: **{r['equal']}/{r['prompts']}** "
@@ -1096,7 +1206,7 @@ def report(results: dict) -> str:
                     lines.append(f"  - prompt {row['prompt']} ({row['prompt_tokens']} tokens): first difference at "
                                  f"output token {row['first_diff']}, upstream top-1/top-2 margin "
                                  f"{row.get('upstream_margin', float('nan')):.3f} nats")  # fmt: skip
-    for key in ("gemma_needles", "qwen_needles", "v0_qwen_needles"):
+    for key in ("gemma_needles", "qwen_needles", "v0_qwen_needles", "sglang_qwen_needles"):
         if key in results:
             lines += ["", f"| {results[key]['model']} needles | upstream correct | patched correct | same answer |",
                       "|---|---|---|---|"]  # fmt: skip
@@ -1104,7 +1214,7 @@ def report(results: dict) -> str:
                 lines.append(f"| {length} | {s['upstream_correct']}/{s['prompts']} | {s['patched_correct']}/{s['prompts']} "
                              f"| {s['same_answer']}/{s['prompts']} |")  # fmt: skip
     for key in ("offline_ttft", "serve_ttft", "tp2_ttft", "qwen_offline_ttft", f"{QWEN}_serve_ttft",
-                "v0_qwen_offline_ttft"):
+                "v0_qwen_offline_ttft", "sglang_qwen_offline_ttft"):
         if key in results:
             lines += ["", f"| {key} ({results[key]['model']}) | upstream ms | patched ms | speedup |", "|---|---|---|---|"]
             for length, row in results[key]["by_length"].items():
@@ -1154,7 +1264,7 @@ def main() -> None:
                         "gemma_needles, offline_ttft, serve_ttft, mixed_load, chunk_bench, engine_density, "
                         "tp2_equality, tp2_ttft, qwen_rope_check, qwen_equality, qwen_needles, qwen_accuracy_N, qwen_captures, "
                         "qwen_engine_density, qwen_offline_ttft, qwen_variant_ttft, qwen_serve, qwen_layer_times, v0_equality, "
-                        "v0_needles, v0_offline_ttft)")  # fmt: skip
+                        "v0_needles, v0_offline_ttft, v0_serve, v0_mixed_load, sglang_equality, sglang_needles, sglang_offline_ttft)")  # fmt: skip
     parser.add_argument("--capture-layers", default="7,21", help="layers of the qwen phase's captured q/k/v")
     parser.add_argument("--accuracy-run", action="append", default=[], metavar="ARGS",
                         help="arguments of one accuracy-harness run on the qwen model among the qwen phase's checks "
@@ -1179,10 +1289,13 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     device = f"{gpus}x {torch.cuda.get_device_name(0)}" if gpus else "no GPU"
     phases = args.phases.split(",")
-    if "v0" in phases and len(phases) > 1:
-        parser.error("--phases v0 runs alone (its engines are vLLM 0.6.3's, the others vLLM 0.26's)")
-    results = {"device": device, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-               "engine": "vLLM 0.6.3.post1" if "v0" in phases else "vLLM 0.26.0", "command": " ".join(sys.argv)}  # fmt: skip
+    alone = {"v0": "vLLM 0.6.3.post1", "sglang": "SGLang 0.5.16"}
+    for phase in set(alone) & set(phases):
+        if len(phases) > 1:
+            parser.error(f"--phases {phase} runs alone (its engines are {alone[phase]}'s, the others vLLM 0.26's)")
+    engine = alone.get(phases[0], "vLLM 0.26.0")
+    results = {"device": device, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "engine": engine,
+               "command": " ".join(sys.argv)}  # fmt: skip
     global OUT_DIR
     out = OUT_DIR = Path(args.out)
     # Two GPUs run the offline and serve phases side by side; one GPU runs them in turn (their timings
@@ -1204,6 +1317,8 @@ def main() -> None:
         qwen_phase(results, "0", args)
     if "v0" in phases:
         v0_phase(results, "0", args)
+    if "sglang" in phases:
+        sglang_phase(results, "0", args)
     results["compilations"] = compilations(LOGS)
     for name, seen in results["compilations"].items():
         say(f"{name}: warm-up {'; '.join(seen['warmup']) or 'none'}; compiled during inference: "

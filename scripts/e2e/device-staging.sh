@@ -1,0 +1,27 @@
+# Sourced by the device-side run scripts (device-v0.sh, device-sglang.sh): waiting for staged pieces and
+# converting the staged model. Run from the project root (or a copy of it).
+
+wait_for() {  # FILE: wait for a staging call's complete-marker, at most STAGE_WAIT seconds (default 1200)
+  local deadline=$(( $(date +%s) + ${STAGE_WAIT:-1200} ))
+  until [[ -f "$1" ]]; do
+    (( $(date +%s) < deadline )) || { echo "no $1 after ${STAGE_WAIT:-1200} s" >&2; exit 1; }
+    sleep 3
+  done
+}
+
+staged_model() {  # MODEL: the converted checkpoint in $E2E_MODELS (default /tmp/hf), from the pieces of
+  # `STAGE_VLLM=0 STAGE_MODELS=MODEL scripts/e2e/stage.sh` in /tmp/stage where it is not there yet
+  local models="${E2E_MODELS:-/tmp/hf}"
+  [[ -f "$models/$1/config.json" ]] && return 0
+  echo "== waiting for the staged model (/tmp/stage/complete)"
+  wait_for /tmp/stage/complete
+  bash scripts/e2e/unpack-stage.sh
+  PYTHONPATH=/tmp/bundle/gguf-only PREFILL_ACCEL_CACHE=/tmp/bundle/cache python3 scripts/e2e/convert_models.py "$models" "$1"
+}
+
+wait_for_gpu_run() {  # a device-run.sh / device-session.sh run under way holds the GPU until /tmp/e2e/done
+  if [[ -d /tmp/e2e && ! -f /tmp/e2e/done ]]; then
+    echo "== waiting for the run in /tmp/e2e to finish"
+    until [[ -f /tmp/e2e/done ]]; do sleep 5; done
+  fi
+}
