@@ -45,7 +45,10 @@ for name in ("sglang", "sglang.srt.entrypoints.engine", "sglang.srt.entrypoints.
              "sglang.srt.managers.scheduler", "sglang.srt.managers.tokenizer_manager",
              "sglang.srt.managers.detokenizer_manager", "sglang.srt.model_executor.model_runner",
              "sglang.srt.models.qwen2", "sglang.srt.layers.attention.flashattention_backend",
-             "sglang.srt.layers.attention.flashinfer_backend", "sglang.bench_serving", "sgl_kernel", "flashinfer"):
+             "sglang.srt.layers.attention.flashinfer_backend", "sglang.srt.layers.attention.attention_registry",
+             "sglang.srt.managers.tp_worker", "sglang.srt.managers.data_parallel_controller",
+             "sglang.srt.model_loader.loader", "sglang.srt.layers.sampler", "sglang.srt.constrained.xgrammar_backend",
+             "sglang.srt.entrypoints.openai.serving_completions", "sglang.bench_serving", "sgl_kernel", "flashinfer"):
     try:
         importlib.import_module(name)
     except Exception as error:

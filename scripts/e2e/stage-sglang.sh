@@ -26,7 +26,8 @@ image="$root/scripts/e2e/gpu-image-packages.txt"
 # Imported by the server or what it loads, not by the CPU tests' modules (at SGLang's pins where it has one):
 # HTTP form parsing, grammar backends, the memory saver its model runner imports, and what those import.
 SERVER_EXTRA="${SERVER_EXTRA-python-multipart interegular llguidance>=1.7.6,<2 openai-harmony==0.0.4 blobfile==3.0.0
-  pycryptodomex easydict torch_memory_saver>=0.0.9.post1 zstandard watchfiles soundfile==0.13.1 cffi pycparser jiter}"
+  pycryptodomex easydict torch_memory_saver>=0.0.9.post1 zstandard watchfiles soundfile==0.13.1 cffi pycparser jiter
+  jsonschema jsonschema-specifications referencing rpds-py}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/bundle/wheels" "$work/site" "$work/orig"
