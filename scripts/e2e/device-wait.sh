@@ -2,9 +2,15 @@
 # On the GPU machine: wait up to SECONDS for the run started by device-run.sh to finish, printing its log
 # as it grows, then copy the log, the partial results and an archive of everything else into $OUT.
 # Usage: bash scripts/e2e/device-wait.sh SECONDS [DIR]   (DIR: the run's folder, default /tmp/e2e;
-#   device-v0.sh's is /tmp/e2e-v0)
+#   device-v0.sh's is /tmp/e2e-v0, device-sglang.sh's /tmp/e2e-sglang)
+# A machine with no run log there is a fresh one (the last was given back with its /tmp): it says so at
+# once instead of waiting out SECONDS of device time.
 set -uo pipefail
 dir="${2:-/tmp/e2e}"
+if [[ ! -f "$dir/run.log" ]]; then
+  echo "== no run in $dir: nothing was started on this machine (a fresh one, if the last was given back)"
+  exit 3
+fi
 deadline=$(( $(date +%s) + ${1:-500} ))
 seen=0
 while [[ ! -f "$dir/done" && $(date +%s) -lt $deadline ]]; do
