@@ -150,6 +150,28 @@ def test_sglang_engines_get_fa3_decoding_sparse_prefill_the_chunk_pool_and_yarn_
         driver.sglang_engine({**kwargs, "block_size": 16})
 
 
+def test_an_sglang_server_gets_the_engine_fields_as_flags_and_sglang_defaults_without_a_chunk(driver, tmp_path,
+                                                                                            monkeypatch):  # fmt: skip
+    """`sglang.launch_server` for what `vllm serve` gets (parsed by SGLang 0.5.16's own ServerArgs in a stand-in
+    for the GPU image, 2026-12-04)."""
+    monkeypatch.setattr(driver, "MODELS", tmp_path)
+    monkeypatch.setattr(driver, "ENGINE", "sglang")
+    qwen_checkpoint(tmp_path, driver.QWEN)
+    command, env = driver.sglang_server(driver.QWEN, 8111, ["--max-num-batched-tokens", "16384",
+                                                            "--attention-backend", "SPARSE_PREFILL"])  # fmt: skip
+    assert command[1:3] == ["-m", "sglang.launch_server"] and env == {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
+    flags = dict(zip(command[3::2], command[4::2]))
+    assert flags["--port"] == "8111" and flags["--host"] == "127.0.0.1"
+    assert flags["--chunked-prefill-size"] == flags["--max-prefill-tokens"] == "16384"
+    assert flags["--attention-backend"] == "fa3" and flags["--prefill-attention-backend"] == "sparse_prefill"
+    assert "--disable-cuda-graph" not in command and "--disable-radix-cache" not in command
+    defaults, _ = driver.sglang_server(driver.QWEN, 8103, [])
+    assert "--chunked-prefill-size" not in defaults and "--prefill-attention-backend" not in defaults
+    mixed, _ = driver.sglang_server(driver.QWEN, 8104, driver.mixed_flags("SPARSE_PREFILL", 20.0))
+    assert mixed[-4:] == ["--max-consecutive-prefill-batches", "2", "--schedule-policy", "srpf"]
+    assert "--max-step-latency-ms" not in mixed and "sparse_prefill" in mixed
+
+
 def test_the_sglang_phase_runs_alone(driver, monkeypatch):
     monkeypatch.setattr("sys.argv", ["vllm_e2e.py", "--phases", "sglang,qwen"])
     with pytest.raises(SystemExit):

@@ -35,7 +35,9 @@ Phases (--phases, comma separated):
   sglang   GPU 0: SGLang 0.5.16's offline Engine on Qwen2.5-Coder-1.5B, upstream installed in $E2E_SGL_SITE
            and the patched files in $E2E_SGL_PATCHED ahead of it (scripts/e2e/device-sglang.sh), decoding
            with fa3, the patched side prefilling with sparse_prefill: greedy tokens at threshold 0, needles
-           at 32K and 128K and offline TTFT as in the v0 phase, in SGLang's terms (sglang_engine). Runs alone.
+           at 32K and 128K and offline TTFT as in the v0 phase, in SGLang's terms (sglang_engine); TTFT
+           through sglang.launch_server with `prefill-accel bench` and SGLang's bench_serving, and the
+           mixed load (decode protection and srpf against SGLang's defaults). Runs alone.
 Results: --out DIR/results.json (every number) and the tables printed at the end (markdown).
 """
 
@@ -197,7 +199,8 @@ class Worker:
 
 
 class Server:
-    """`vllm serve` in its own process (vLLM 0.6.3's OpenAI server in the v0 phase, v0_server)."""
+    """`vllm serve` in its own process (vLLM 0.6.3's OpenAI server in the v0 phase, v0_server; SGLang's
+    launch_server in the sglang phase, sglang_server)."""
 
     def __init__(self, name: str, side: str, gpus: str, model: Path, port: int, args: list[str]):
         self.name, self.side, self.port, self.model = name, side, port, str(model)
@@ -207,15 +210,18 @@ class Server:
         if ENGINE == "vllm-v0":
             command, backend_env = v0_server(model.name, port, args)
             self.model, env = command[command.index("--model") + 1], {**env, **backend_env}
+        elif ENGINE == "sglang":
+            command, engine_env = sglang_server(model.name, port, args)
+            env = {**env, **engine_env}
         else:
             command = [sys.executable, "-c", "from vllm.entrypoints.cli.main import main; main()", "serve", str(model),
                        "--port", str(port), "--dtype", "bfloat16", "--seed", "0", "--kv-cache-memory-bytes", str(KV_BYTES),
                        "--gpu-memory-utilization", str(GPU_UTIL), "--max-model-len", str(max_len),
                        "--hf-overrides", json.dumps(long_context_overrides(model.name, max_len)),
                        *args]  # fmt: skip
-        with START_ONE if ENGINE == "vllm-v0" else contextlib.nullcontext(), open(self.log, "w") as log:
+        with START_ONE if ENGINE != "vllm" else contextlib.nullcontext(), open(self.log, "w") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-            if ENGINE == "vllm-v0":  # V0 profiles free memory while it starts: the next one waits until it serves
+            if ENGINE != "vllm":  # V0 and SGLang size memory from what is free: the next one waits until it serves
                 self.wait_ready()
         self.started = time.monotonic()
 
@@ -397,6 +403,31 @@ def v0_server(model: str, port: int, args: list[str]) -> tuple[list[str], dict[s
         command += ["--rope-scaling", json.dumps(kwargs["rope_scaling"])]
     if args or env:
         command.append("--enable-chunked-prefill")
+    return command + args, env
+
+
+def sglang_server(model: str, port: int, args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The `sglang.launch_server` command for a run that `vllm serve MODEL ARGS` makes on 0.26 (the Engine's
+    fields of sglang_engine as flags), and its environment. Of vLLM's flags, --max-num-batched-tokens becomes
+    the chunk size and --attention-backend SPARSE_PREFILL the prefill backend; the rest are SGLang's own."""
+    args = list(args)
+    extra = {}
+    for flag in ("--max-num-batched-tokens", "--attention-backend"):
+        if flag in args:
+            i = args.index(flag)
+            extra[flag] = args[i + 1]
+            del args[i : i + 2]
+    kwargs = engine_kwargs(model, max_model_len=long_len(model), chunk=int(extra.get("--max-num-batched-tokens", 16384)),
+                           eager=False, **(sparse() if "--attention-backend" in extra else {}))  # fmt: skip
+    engine, env = sglang_engine(kwargs)
+    if "--max-num-batched-tokens" not in extra:  # SGLang's own chunk and prefill cap, as an operator gets them
+        del engine["chunked_prefill_size"], engine["max_prefill_tokens"]
+    command = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port)]
+    for key, value in engine.items():
+        if value is True:
+            command.append("--" + key.replace("_", "-"))
+        elif value is not False:
+            command += ["--" + key.replace("_", "-"), str(value)]
     return command + args, env
 
 
@@ -857,8 +888,11 @@ def mixed_stage(results: dict, gpus: str, tok, corpus: Corpus, model: Path, args
 
 def mixed_flags(backend: str, target_ms: float) -> list[str]:
     """The patched mixed-load server's flags: the scheduler's, with ``--attention-backend backend``
-    ('default' leaves vLLM's choice)."""
+    ('default' leaves vLLM's choice). SGLang's scheduler flags have no step-time target: decode protection
+    every 2 prefill batches and shortest-remaining-prefill-first."""
     chosen = [] if backend == "default" else ["--attention-backend", backend]
+    if ENGINE == "sglang":
+        return [*chosen, "--max-consecutive-prefill-batches", "2", "--schedule-policy", "srpf"]
     return [*chosen, "--max-num-partial-prefills", "4", "--max-long-partial-prefills", "1",
             "--long-prefill-token-threshold", "4096", "--prefill-order", "srpf",
             "--max-step-latency-ms", str(target_ms)]  # fmt: skip
@@ -962,13 +996,42 @@ def serve_bench_stage(results: dict, gpus: str, model: str, args) -> None:
         f"{model}-serve-patched", "patched", gpus, path, 8112, [*chunk, "--attention-backend", "SPARSE_PREFILL"]
     ) as pa:
         table = ttft_pairs(up, pa, served_ttft, [prompt_len(model, n) for n in args.lengths], args.repeats, corpus, 500)
-        server = "vLLM 0.6.3's OpenAI server (v0_server)" if ENGINE == "vllm-v0" else "vllm serve"
+        server = {"vllm-v0": "vLLM 0.6.3's OpenAI server (v0_server)",
+                  "sglang": "sglang.launch_server (sglang_server)"}.get(ENGINE, "vllm serve")
         results[f"{model}_serve_ttft"] = {
             "model": model, "engine": f"{server}, streaming /v1/completions, --max-num-batched-tokens 16384, "
             f"--max-model-len {long_len(model)} {long_context_overrides(model, long_len(model))} both sides; patched: "
             "--attention-backend SPARSE_PREFILL, default sparse config" + sparse_flags_note(), "by_length": table,
         }  # fmt: skip
         results[f"{model}_bench"] = run_bench(up, pa, model, args)
+        if ENGINE == "sglang":
+            results[f"{model}_bench_serving"] = sglang_bench_serving(up, pa, model, args)
+
+
+def sglang_bench_serving(up: Server, pa: Server, model: str, args) -> dict:
+    """SGLang's own benchmark (its users' tool) against the two servers, beside `prefill-accel bench`: per
+    length, --repeats requests of random token ids one at a time, one output token; its median TTFT."""
+    table = {}
+    for length in [prompt_len(model, n) for n in args.lengths]:
+        row = {}
+        for label, server in (("upstream", up), ("patched", pa)):
+            out = OUT_DIR / f"bench-serving-{label}-{length}.jsonl"
+            out.unlink(missing_ok=True)
+            command = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url",
+                       f"http://127.0.0.1:{server.port}", "--model", server.model, "--tokenizer", server.model,
+                       "--dataset-name", "random-ids", "--random-input-len", str(length), "--random-output-len", "1",
+                       "--random-range-ratio", "1", "--num-prompts", str(args.repeats), "--max-concurrency", "1",
+                       "--request-rate", "inf", "--seed", str(length), "--disable-tqdm", "--output-file", str(out)]  # fmt: skip
+            proc = subprocess.run(command, env=side_env("upstream", ""), capture_output=True, text=True, timeout=1800)
+            (LOGS / f"bench-serving-{label}-{length}.log").write_text(proc.stdout + proc.stderr)
+            lines = out.read_text().splitlines() if out.is_file() else []
+            row[f"{label}_ms"] = json.loads(lines[-1])["median_ttft_ms"] if lines else None
+        if row["upstream_ms"] and row["patched_ms"]:
+            row["speedup"] = row["upstream_ms"] / row["patched_ms"]
+        table[length] = row
+        say(f"bench_serving {length}: {row}")
+    return {"command": "python -m sglang.bench_serving --backend sglang --dataset-name random-ids --random-output-len 1 "
+            f"--num-prompts {args.repeats} --max-concurrency 1", "by_length": table}  # fmt: skip
 
 
 def run_bench(up: Server, pa: Server, model: str, args) -> dict:
@@ -1116,6 +1179,9 @@ def sglang_phase(results: dict, gpus: str, args) -> None:
                                                 "sglang_qwen_needles")),
         ("sglang_offline_ttft", lambda: offline_ttft_stage(results, gpus, QWEN, args.lengths, args.repeats,
                                                            "sglang_qwen_offline_ttft")),
+        ("sglang_serve", lambda: serve_bench_stage(results, gpus, QWEN, args)),
+        ("sglang_mixed_load", lambda: mixed_stage(results, gpus, tokenizer_for(QWEN),
+                                                  Corpus(tokenizer_for(QWEN), 256 * 1024), MODELS / QWEN, args)),
     ):  # fmt: skip
         run_stage(results, name, stage)
 
@@ -1238,6 +1304,12 @@ def report(results: dict) -> str:
                          f"{lo['itl_p99_ms']:.1f} | {row['itl_p99_ratio']:.2f} | {lo.get('long_ttft_ms', 0):.0f} |")
     if f"{QWEN}_bench" in results:
         lines += ["", f"`prefill-accel bench` (exit {results[f'{QWEN}_bench']['exit']}):", "", results[f"{QWEN}_bench"]["table"]]
+    if f"{QWEN}_bench_serving" in results:
+        lines += ["", f"| SGLang bench_serving ({QWEN}) | upstream median TTFT ms | patched | speedup |", "|---|---|---|---|"]
+        for length, row in results[f"{QWEN}_bench_serving"]["by_length"].items():
+            cells = [f"{row[k]:.1f}" if row.get(k) else "failed" for k in ("upstream_ms", "patched_ms")]
+            lines.append(f"| {length} | {cells[0]} | {cells[1]} | {row['speedup']:.2f}x |" if "speedup" in row
+                         else f"| {length} | {cells[0]} | {cells[1]} | - |")  # fmt: skip
     for name, error in results.get("errors", {}).items():
         lines += ["", f"ERROR in {name}: {error.splitlines()[0] if error else ''}"]
     return "\n".join(lines)
@@ -1264,7 +1336,7 @@ def main() -> None:
                         "gemma_needles, offline_ttft, serve_ttft, mixed_load, chunk_bench, engine_density, "
                         "tp2_equality, tp2_ttft, qwen_rope_check, qwen_equality, qwen_needles, qwen_accuracy_N, qwen_captures, "
                         "qwen_engine_density, qwen_offline_ttft, qwen_variant_ttft, qwen_serve, qwen_layer_times, v0_equality, "
-                        "v0_needles, v0_offline_ttft, v0_serve, v0_mixed_load, sglang_equality, sglang_needles, sglang_offline_ttft)")  # fmt: skip
+                        "v0_needles, v0_offline_ttft, v0_serve, v0_mixed_load, sglang_equality, sglang_needles, sglang_offline_ttft, sglang_serve, sglang_mixed_load)")  # fmt: skip
     parser.add_argument("--capture-layers", default="7,21", help="layers of the qwen phase's captured q/k/v")
     parser.add_argument("--accuracy-run", action="append", default=[], metavar="ARGS",
                         help="arguments of one accuracy-harness run on the qwen model among the qwen phase's checks "
