@@ -88,7 +88,7 @@ V0_NO_PROMPT_LOGPROBS = (
 SGL_SITE = os.environ.get("E2E_SGL_SITE", "/tmp/sglang-site")
 SGL_PATCHED = os.environ.get("E2E_SGL_PATCHED", "/tmp/sglang-patched")
 SGL_MEM_FRACTION = 0.3  # SGLang's static memory share; the KV pool itself is KV_BYTES (max_total_tokens)
-START_ONE = threading.Lock()  # V0 and SGLang measure free memory while they start: one engine starts at a time
+START_ONE = threading.Lock()
 NEEDLE_DEPTHS = [round(0.05 + 0.9 * i / 7, 3) for i in range(8)]
 PRINT_LOCK = threading.Lock()
 RESULTS_LOCK = threading.Lock()
@@ -105,6 +105,12 @@ ENGINE = "vllm"
 0.6.3.post1: the patched side from E2E_V0_VENV, the upstream side from E2E_V0_UPSTREAM ahead of it, the
 arguments translated by v0_engine); "sglang", set by the sglang phase (SGLang 0.5.16's Engine, the
 arguments translated by sglang_engine)."""
+
+
+def starting():
+    """Held while an engine starts: V0 and SGLang size their memory from what is free on the GPU, so theirs
+    start one at a time; vLLM 0.26's are given their KV cache in bytes and start side by side."""
+    return START_ONE if ENGINE != "vllm" else contextlib.nullcontext()
 
 
 def side_env(side: str, gpus: str) -> dict[str, str]:
@@ -155,7 +161,7 @@ class Worker:
         elif ENGINE == "sglang":
             engine, engine_env = sglang_engine(engine)
             env, api = {**env, **engine_env}, "sglang"
-        with START_ONE if ENGINE != "vllm" else contextlib.nullcontext():
+        with starting():
             read_fd, write_fd = os.pipe()
             with open(self.log, "w") as log:
                 self.proc = subprocess.Popen(
@@ -219,17 +225,13 @@ class Server:
                        "--gpu-memory-utilization", str(GPU_UTIL), "--max-model-len", str(max_len),
                        "--hf-overrides", json.dumps(long_context_overrides(model.name, max_len)),
                        *args]  # fmt: skip
-        with START_ONE if ENGINE != "vllm" else contextlib.nullcontext(), open(self.log, "w") as log:
+        with open(self.log, "w") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-            if ENGINE != "vllm":  # V0 and SGLang size memory from what is free: the next one waits until it serves
-                self.wait_ready()
         self.started = time.monotonic()
 
     def wait_ready(self, timeout: float = 420.0) -> None:
         import urllib.request
 
-        if getattr(self, "startup_seconds", None) is not None:
-            return
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -379,6 +381,16 @@ def sglang_engine(kwargs: dict) -> tuple[dict, dict[str, str]]:
     return engine, env
 
 
+def take_flag(args: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in a command line, removed from it with its value (None: not there)."""
+    if flag not in args:
+        return None
+    i = args.index(flag)
+    value = args[i + 1]
+    del args[i : i + 2]
+    return value
+
+
 def v0_server(model: str, port: int, args: list[str]) -> tuple[list[str], dict[str, str]]:
     """The command of vLLM 0.6.3's OpenAI server for a run that `vllm serve MODEL ARGS` makes on 0.26, and
     the environment it needs: as v0_engine (the backend through VLLM_ATTENTION_BACKEND, the cache as a block
@@ -387,11 +399,8 @@ def v0_server(model: str, port: int, args: list[str]) -> tuple[list[str], dict[s
     it); a run with none keeps V0's own default (on a GPU, chunked prefill past 32K tokens of
     max_model_len), as an operator of upstream 0.6.3 sees it."""
     args = list(args)
-    env = {}
-    if "--attention-backend" in args:
-        i = args.index("--attention-backend")
-        env["VLLM_ATTENTION_BACKEND"] = args[i + 1]
-        del args[i : i + 2]
+    backend = take_flag(args, "--attention-backend")
+    env = {"VLLM_ATTENTION_BACKEND": backend} if backend else {}
     max_len = long_len(model)
     kwargs, _ = v0_engine(engine_kwargs(model, max_model_len=max_len, chunk=16384, eager=False))
     command = [str(V0_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", kwargs["model"],
@@ -411,16 +420,11 @@ def sglang_server(model: str, port: int, args: list[str]) -> tuple[list[str], di
     fields of sglang_engine as flags), and its environment. Of vLLM's flags, --max-num-batched-tokens becomes
     the chunk size and --attention-backend SPARSE_PREFILL the prefill backend; the rest are SGLang's own."""
     args = list(args)
-    extra = {}
-    for flag in ("--max-num-batched-tokens", "--attention-backend"):
-        if flag in args:
-            i = args.index(flag)
-            extra[flag] = args[i + 1]
-            del args[i : i + 2]
-    kwargs = engine_kwargs(model, max_model_len=long_len(model), chunk=int(extra.get("--max-num-batched-tokens", 16384)),
-                           eager=False, **(sparse() if "--attention-backend" in extra else {}))  # fmt: skip
+    chunk, backend = take_flag(args, "--max-num-batched-tokens"), take_flag(args, "--attention-backend")
+    kwargs = engine_kwargs(model, max_model_len=long_len(model), chunk=int(chunk or 16384), eager=False,
+                           **(sparse() if backend else {}))  # fmt: skip
     engine, env = sglang_engine(kwargs)
-    if "--max-num-batched-tokens" not in extra:  # SGLang's own chunk and prefill cap, as an operator gets them
+    if chunk is None:  # SGLang's own chunk and prefill cap, as an operator gets them
         del engine["chunked_prefill_size"], engine["max_prefill_tokens"]
     command = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port)]
     for key, value in engine.items():
@@ -838,12 +842,13 @@ class serving:
         self.args = args
 
     def __enter__(self) -> Server:
-        self.server = Server(*self.args)
-        try:
-            self.server.wait_ready()
-        except Exception:
-            self.server.close()
-            raise
+        with starting():
+            self.server = Server(*self.args)
+            try:
+                self.server.wait_ready()
+            except Exception:
+                self.server.close()
+                raise
         return self.server
 
     def __exit__(self, *exc) -> None:
@@ -1150,38 +1155,22 @@ def qwen_phase(results: dict, gpus: str, args) -> None:
         run_stage(results, name, stage)
 
 
-def v0_phase(results: dict, gpus: str, args) -> None:
-    """vLLM 0.6.3.post1 patched against upstream on Qwen2.5-Coder-1.5B: greedy tokens at threshold 0, needles
-    at 32K and 128K (default config), then offline TTFT, each its own engine pair (V0's starts in turn)."""
+def engine_phase(results: dict, gpus: str, args, engine: str, tag: str) -> None:
+    """Another engine (``engine``: ENGINE's "vllm-v0" or "sglang") patched against its upstream on
+    Qwen2.5-Coder-1.5B, each stage its own pair, started in turn: greedy tokens at threshold 0, needles at
+    32K and 128K (default config), offline TTFT, TTFT through its server with `prefill-accel bench` (and
+    SGLang's bench_serving), the mixed load. Stages and results are named ``tag``_..."""
     global ENGINE
-    ENGINE = "vllm-v0"
+    ENGINE = engine
+    tok = tokenizer_for(QWEN)
     for name, stage in (
-        ("v0_equality", lambda: equality_stage(results, gpus, QWEN, 1, "v0_qwen")),
-        ("v0_needles", lambda: needle_stage(results, gpus, QWEN, [32768 - 32, 131072 - 64], NEEDLE_DEPTHS,
-                                            "v0_qwen_needles")),
-        ("v0_offline_ttft", lambda: offline_ttft_stage(results, gpus, QWEN, args.lengths, args.repeats,
-                                                       "v0_qwen_offline_ttft")),
-        ("v0_serve", lambda: serve_bench_stage(results, gpus, QWEN, args)),
-        ("v0_mixed_load", lambda: mixed_stage(results, gpus, tokenizer_for(QWEN), Corpus(tokenizer_for(QWEN), 256 * 1024),
-                                              MODELS / QWEN, args)),
-    ):  # fmt: skip
-        run_stage(results, name, stage)
-
-
-def sglang_phase(results: dict, gpus: str, args) -> None:
-    """SGLang 0.5.16 patched against upstream on Qwen2.5-Coder-1.5B: the v0 phase's stages, each its own
-    Engine pair (started in turn)."""
-    global ENGINE
-    ENGINE = "sglang"
-    for name, stage in (
-        ("sglang_equality", lambda: equality_stage(results, gpus, QWEN, 1, "sglang_qwen")),
-        ("sglang_needles", lambda: needle_stage(results, gpus, QWEN, [32768 - 32, 131072 - 64], NEEDLE_DEPTHS,
-                                                "sglang_qwen_needles")),
-        ("sglang_offline_ttft", lambda: offline_ttft_stage(results, gpus, QWEN, args.lengths, args.repeats,
-                                                           "sglang_qwen_offline_ttft")),
-        ("sglang_serve", lambda: serve_bench_stage(results, gpus, QWEN, args)),
-        ("sglang_mixed_load", lambda: mixed_stage(results, gpus, tokenizer_for(QWEN),
-                                                  Corpus(tokenizer_for(QWEN), 256 * 1024), MODELS / QWEN, args)),
+        (f"{tag}_equality", lambda: equality_stage(results, gpus, QWEN, 1, f"{tag}_qwen")),
+        (f"{tag}_needles", lambda: needle_stage(results, gpus, QWEN, [32768 - 32, 131072 - 64], NEEDLE_DEPTHS,
+                                                f"{tag}_qwen_needles")),
+        (f"{tag}_offline_ttft", lambda: offline_ttft_stage(results, gpus, QWEN, args.lengths, args.repeats,
+                                                           f"{tag}_qwen_offline_ttft")),
+        (f"{tag}_serve", lambda: serve_bench_stage(results, gpus, QWEN, args)),
+        (f"{tag}_mixed_load", lambda: mixed_stage(results, gpus, tok, Corpus(tok, 256 * 1024), MODELS / QWEN, args)),
     ):  # fmt: skip
         run_stage(results, name, stage)
 
@@ -1388,9 +1377,9 @@ def main() -> None:
     if "qwen" in phases:
         qwen_phase(results, "0", args)
     if "v0" in phases:
-        v0_phase(results, "0", args)
+        engine_phase(results, "0", args, "vllm-v0", "v0")
     if "sglang" in phases:
-        sglang_phase(results, "0", args)
+        engine_phase(results, "0", args, "sglang", "sglang")
     results["compilations"] = compilations(LOGS)
     for name, seen in results["compilations"].items():
         say(f"{name}: warm-up {'; '.join(seen['warmup']) or 'none'}; compiled during inference: "
