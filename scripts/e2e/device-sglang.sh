@@ -16,12 +16,8 @@ stage="${SGL_STAGE:-/tmp/sglang-stage}"
 site="${E2E_SGL_SITE:-/tmp/sglang-site}"
 patched="${E2E_SGL_PATCHED:-/tmp/sglang-patched}"
 run=/tmp/e2e-sglang
-mkdir -p "$run/out" "$run/logs"
-rm -f "$run/done"
-trap 'echo "exit $?" > "$run/done"' EXIT
-rm -rf "$run/repo" && cp -a "$root" "$run/repo" && rm -rf "$run/repo/.device"  # later calls refresh the checkout
-cd "$run/repo"
-source scripts/e2e/device-staging.sh
+source "$root/scripts/e2e/device-staging.sh"
+start_run "$run" "$root"
 
 staged_model qwen2.5-coder-1.5b
 if [[ ! -f "$site/.installed" ]]; then

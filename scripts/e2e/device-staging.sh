@@ -1,5 +1,16 @@
-# Sourced by the device-side run scripts (device-v0.sh, device-sglang.sh): waiting for staged pieces and
-# converting the staged model. Run from the project root (or a copy of it).
+# Sourced by the device-side run scripts (device-v0.sh, device-sglang.sh): the run's folder and private
+# checkout, waiting for staged pieces, converting the staged model.
+
+start_run() {  # DIR ROOT: DIR/out, DIR/logs and DIR/done (written on exit, with the status) for
+  # device-wait.sh; the checkout ROOT copied to DIR/repo and entered, so a later device call that refreshes
+  # the checkout cannot change the run
+  run_dir="$1"
+  mkdir -p "$run_dir/out" "$run_dir/logs"
+  rm -f "$run_dir/done"
+  trap 'echo "exit $?" > "$run_dir/done"' EXIT
+  rm -rf "$run_dir/repo" && cp -a "$2" "$run_dir/repo" && rm -rf "$run_dir/repo/.device"
+  cd "$run_dir/repo"
+}
 
 wait_for() {  # FILE: wait for a staging call's complete-marker, at most STAGE_WAIT seconds (default 1200)
   local deadline=$(( $(date +%s) + ${STAGE_WAIT:-1200} ))

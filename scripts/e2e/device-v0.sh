@@ -21,13 +21,9 @@ venv="${E2E_V0_VENV:-/tmp/venv-vllm-0.6.x}"
 upstream="${E2E_V0_UPSTREAM:-/tmp/site-0.6}"
 stage="${STAGE_DIR:-/tmp/gpu-build}"
 run=/tmp/e2e-v0
-mkdir -p "$run/out" "$run/logs"
-rm -f "$run/done"
-trap 'echo "exit $?" > "$run/done"' EXIT
-rm -rf "$run/repo" && cp -a "$root" "$run/repo" && rm -rf "$run/repo/.device"  # later calls refresh the checkout
-cd "$run/repo"
+source "$root/scripts/e2e/device-staging.sh"
+start_run "$run" "$root"
 
-source scripts/e2e/device-staging.sh
 staged_model qwen2.5-coder-1.5b
 if [[ ! -f "$venv/.built" ]]; then
   [[ -f "$stage/wheels/ENGINE_WHEEL" ]] || { echo "== waiting for the staged wheels ($stage/complete)"; wait_for "$stage/complete"; }

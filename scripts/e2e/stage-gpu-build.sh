@@ -34,11 +34,8 @@ engine_wheel="$(PYTHONPATH="$root/kernels" "$py" -c "$read_target" "$root" "$tar
 wheel="$(basename "$engine_wheel")"
 cp "$engine_wheel" "$out/local/"
 
-platform=(--python-version "$version" --implementation cp --abi "cp${version/./}" --only-binary=:all:)
-for tag in manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 \
-           manylinux2014 manylinux1; do
-  platform+=(--platform "${tag}_x86_64")
-done
+source "$root/scripts/e2e/stage-lib.sh"
+device_platform "$version"
 for name in ${SDIST_ONLY-pyairports}; do
   "$py" -m pip wheel -q --no-deps -w "$out/local" "$name"
 done

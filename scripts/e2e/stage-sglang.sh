@@ -30,7 +30,8 @@ SERVER_EXTRA="${SERVER_EXTRA-python-multipart interegular llguidance>=1.7.6,<2 o
   jsonschema jsonschema-specifications referencing rpds-py}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/bundle/wheels" "$work/site" "$work/orig"
+mkdir -p "$work/bundle/wheels"
+source "$root/scripts/e2e/stage-lib.sh"
 
 engine_wheel="$(PYTHONPATH="$root/kernels" "$py" -c '
 import sys
@@ -42,11 +43,7 @@ print(registry.fetch_file(target.engine, *target.wheel_for("cp312"), Path(sys.ar
 ' "$root" "$target")"
 cp "$engine_wheel" "$work/bundle/wheels/"
 
-platform=(--python-version 3.12 --implementation cp --abi cp312 --only-binary=:all:)
-for tag in manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 \
-           manylinux2014 manylinux1; do
-  platform+=(--platform "${tag}_x86_64")
-done
+device_platform 3.12
 # The CPU import set less the image's packages (and the torch stack, which the image provides for CUDA 13).
 mapfile -t imports < <("$py" - "$requirements" "$image" <<'EOF'
 import re
@@ -72,17 +69,7 @@ done
 "$py" -m pip download -q --no-deps "${platform[@]}" -d "$work/bundle/wheels" "${imports[@]}" $SERVER_EXTRA \
   sglang-kernel==0.4.5 flashinfer-python==0.6.14
 
-# The patched files: unpack the wheel's sglang/, apply the series + overlay, keep what changed or was added.
-python3 -m zipfile -e "$engine_wheel" "$work/site"
-cp -a "$work/site/sglang" "$work/orig/sglang"
-"$root/scripts/prefill-accel" apply -q "$target" "$work/site"
-(cd "$work" && diff -rq orig/sglang site/sglang | grep -v __pycache__ \
-  | sed -E 's#^Files orig/(.*) and site/.* differ$#\1#; s#^Only in site/(.*): (.*)$#\1/\2#' > "$work/changed") || true
-if grep -q '^Only in orig' "$work/changed" || [[ ! -s "$work/changed" ]]; then
-  echo "unexpected apply result:" >&2; cat "$work/changed" >&2; exit 1
-fi
-(cd "$work/site" && tar cf "$work/bundle/sglang-patched.tar" -T "$work/changed")
-echo "patched files: $(wc -l < "$work/changed")" >&2
+patched_files "$target" "$engine_wheel" sglang "$work/bundle/sglang-patched.tar" "$work/patch"
 
 (cd "$work/bundle" && find . -type f ! -name SHA256SUMS -print0 | sort -z | xargs -0 sha256sum > SHA256SUMS)
 rm -rf "$out" && mkdir -p "$out"

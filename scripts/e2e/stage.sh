@@ -22,7 +22,8 @@ py="${PREFILL_ACCEL_TOOL_PYTHON:-$root/.venv/bin/python}"
 [[ -x "$py" ]] || py=python3
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/bundle/wheels" "$work/site" "$work/orig"
+mkdir -p "$work/bundle/wheels"
+source "$root/scripts/e2e/stage-lib.sh"
 if [[ "${STAGE_VLLM:-1}" == 0 ]]; then
   # The models alone: the GPU image has torch and transformers; the GGUF reader is the one wheel it lacks.
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$work/bundle/wheels" gguf
@@ -31,17 +32,7 @@ else
   cp "$vllm_stage/dl/vllm.whl" "$work/bundle/wheels/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl"
   cp "$vllm_stage"/dl/a/*.whl "$vllm_stage"/dl/b/*.whl "$work/bundle/wheels/"
 
-  # The patched files: unpack the wheel's vllm/, apply the series + overlay, keep what changed or was added.
-  python3 -m zipfile -e "$vllm_stage/dl/vllm.whl" "$work/site"
-  cp -a "$work/site/vllm" "$work/orig/vllm"
-  "$root/scripts/prefill-accel" apply -q vllm-0.26.0 "$work/site"
-  (cd "$work" && diff -rq orig/vllm site/vllm | grep -v __pycache__ \
-    | sed -E 's#^Files orig/(.*) and site/.* differ$#\1#; s#^Only in site/(.*): (.*)$#\1/\2#' > "$work/changed") || true
-  if grep -q '^Only in orig' "$work/changed" || [[ ! -s "$work/changed" ]]; then
-    echo "unexpected apply result:" >&2; cat "$work/changed" >&2; exit 1
-  fi
-  (cd "$work/site" && tar cf "$work/bundle/vllm-patched.tar" -T "$work/changed")
-  echo "patched files: $(wc -l < "$work/changed")" >&2
+  patched_files vllm-0.26.0 "$vllm_stage/dl/vllm.whl" vllm "$work/bundle/vllm-patched.tar" "$work/patch"
 fi
 
 # The GGUF models, from the harness's cache (STAGE_MODELS="smollm2" for a run that needs SmolLM2 only).
