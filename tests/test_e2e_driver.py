@@ -370,3 +370,46 @@ def test_the_sglang_worker_reads_output_ids_and_top_logprobs_as_sglang_returns_t
     assert engine.generate([[1]], 1, 0) == ([[7, 8]], None)
     assert engine.prompt_top([[1, 2]], 1) == [[None, [(5, -1.0)]]]
     assert calls[-1][1] == {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 1}
+
+
+def test_the_tokens_a_prefix_hit_computed_sparse_come_from_the_runtimes_own_statistics_lines(driver, tmp_path):
+    """Equality's prefix-cache hit: the patched engine logs prefill_accel.stats' line once per forward (every
+    layer x rank calls), and the driver reads back how many query tokens the kernel took."""
+    from prefill_accel.stats import SparseCallStats
+
+    log = tmp_path / "engine.log"
+    forward = SparseCallStats(calls=28 * 2, q_tokens=28 * 2 * 1500, kept_blocks=90, causal_blocks=100)
+    log.write_text(f"INFO starting\n[2026-12-04 21:03:32 TP0] {forward.line()}\nsparse prefill attention: ready\n"
+                   f"{forward.line()}\n")  # fmt: skip
+    lines = driver.stats_lines(log)
+    assert len(lines) == 2 and lines[0].startswith("56 calls, 84000 query tokens")
+    assert driver.sparse_tokens(lines[1:], 28 * 2) == 1500
+    assert driver.sparse_tokens([], 28) == 0
+    results = {"engine": "SGLang 0.5.16", "device": "1x GPU", "date": "2026-12-04", "sglang_smollm2_greedy_threshold0": {
+        "model": "smollm2", "tp": 1, "equal": 11, "prompts": 11, "rows": [], "engine": "chunked prefill 2048",
+        "prefix_hit": {"prompt_tokens": 4572, "shared_prefix_tokens": 3072, "computed_sparse_tokens": 1500}}}
+    assert "prefix-cache hit: 1500 of its 4572 tokens computed by the sparse kernel" in driver.report(results)
+
+
+def test_bench_serving_flushes_the_radix_cache_after_its_warm_up(driver, tmp_path, monkeypatch):
+    """SGLang's bench_serving warms up with its first measured prompt; without --flush-cache that request is
+    a full radix-cache hit (run 1, 2026-12-04: one of five TTFTs near zero)."""
+    commands = []
+
+    def run(command, **kwargs):
+        commands.append(command)
+        out = Path(command[command.index("--output-file") + 1])
+        out.write_text(json.dumps({"median_ttft_ms": 100.0 if "8111" in command[command.index("--base-url") + 1]
+                                   else 50.0}) + "\n")  # fmt: skip
+        return type("Done", (), {"stdout": "", "stderr": "", "returncode": 0})()
+
+    monkeypatch.setattr(driver.subprocess, "run", run)
+    monkeypatch.setattr(driver, "OUT_DIR", tmp_path)
+    monkeypatch.setattr(driver, "LOGS", tmp_path)
+    server = type("Server", (), {"model": "m"})
+    up, pa = server(), server()
+    up.port, pa.port = 8111, 8112
+    args = type("Args", (), {"lengths": [8192], "repeats": 5})()
+    result = driver.sglang_bench_serving(up, pa, driver.QWEN, args)
+    assert all("--flush-cache" in command for command in commands) and len(commands) == 2
+    assert result["by_length"][8192]["speedup"] == 2.0 and "--flush-cache" in result["command"]

@@ -3,7 +3,7 @@
 # pieces of scripts/e2e/stage-sglang.sh from $SGL_STAGE (default /tmp/sglang-stage, awaited until a call
 # writes its complete-marker) into $E2E_SGL_SITE (default /tmp/sglang-site, upstream) on the image's torch,
 # puts the patched files in $E2E_SGL_PATCHED (default /tmp/sglang-patched, ahead of it on the patched
-# side), converts the staged model (device-staging.sh), then probes, on both sides, every module the
+# side), converts the staged models (device-staging.sh), then probes, on both sides, every module the
 # server and the offline Engine import (all failures listed at once) before the GPU phase.
 # Everything goes to /tmp/e2e-sglang (run.log, out/, logs/, done) for `device-wait.sh SECONDS /tmp/e2e-sglang`.
 #
@@ -19,7 +19,7 @@ run=/tmp/e2e-sglang
 source "$root/scripts/e2e/device-staging.sh"
 start_run "$run" "$root"
 
-staged_model qwen2.5-coder-1.5b
+staged_model qwen2.5-coder-1.5b smollm2
 if [[ ! -f "$site/.installed" ]]; then
   echo "== waiting for the staged SGLang ($stage/complete)"
   wait_for "$stage/complete"

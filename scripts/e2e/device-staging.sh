@@ -20,14 +20,17 @@ wait_for() {  # FILE: wait for a staging call's complete-marker, at most STAGE_W
   done
 }
 
-staged_model() {  # MODEL: the converted checkpoint in $E2E_MODELS (default /tmp/hf), from the pieces of
-  # `STAGE_VLLM=0 STAGE_MODELS=MODEL scripts/e2e/stage.sh` in /tmp/stage where it is not there yet
-  local models="${E2E_MODELS:-/tmp/hf}"
-  [[ -f "$models/$1/config.json" ]] && return 0
-  echo "== waiting for the staged model (/tmp/stage/complete)"
+staged_model() {  # MODEL...: the converted checkpoints in $E2E_MODELS (default /tmp/hf), from the pieces of
+  # `STAGE_VLLM=0 STAGE_MODELS="MODEL..." scripts/e2e/stage.sh` in /tmp/stage, for those not there yet
+  local models="${E2E_MODELS:-/tmp/hf}" missing=() model
+  for model in "$@"; do
+    [[ -f "$models/$model/config.json" ]] || missing+=("$model")
+  done
+  (( ${#missing[@]} )) || return 0
+  echo "== waiting for the staged models (/tmp/stage/complete)"
   wait_for /tmp/stage/complete
   bash scripts/e2e/unpack-stage.sh
-  PYTHONPATH=/tmp/bundle/gguf-only PREFILL_ACCEL_CACHE=/tmp/bundle/cache python3 scripts/e2e/convert_models.py "$models" "$1"
+  PYTHONPATH=/tmp/bundle/gguf-only PREFILL_ACCEL_CACHE=/tmp/bundle/cache python3 scripts/e2e/convert_models.py "$models" "${missing[@]}"
 }
 
 wait_for_gpu_run() {  # a device-run.sh / device-session.sh run under way holds the GPU until /tmp/e2e/done

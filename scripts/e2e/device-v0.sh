@@ -3,8 +3,8 @@
 # the environment the front door builds (scripts/e2e/device-gpu-build.sh vllm-0.6.x, from the wheels
 # stage-gpu-build.sh staged in /tmp/gpu-build), built here unless $E2E_V0_VENV already has it; the upstream
 # side is the same engine wheel unpacked into $E2E_V0_UPSTREAM, ahead of the venv's patched copy on the path.
-# The models are those device-run.sh converted into /tmp/hf; where Qwen2.5-Coder-1.5B is not there yet, the
-# pieces of `STAGE_VLLM=0 STAGE_MODELS=qwen2.5-coder-1.5b scripts/e2e/stage.sh` are awaited in /tmp/stage
+# The models are those device-run.sh converted into /tmp/hf; where Qwen2.5-Coder-1.5B or SmolLM2 is not there, the
+# pieces of `STAGE_VLLM=0 STAGE_MODELS="qwen2.5-coder-1.5b smollm2" scripts/e2e/stage.sh` are awaited in /tmp/stage
 # (until a call writes /tmp/stage/complete) and converted here. The pieces of stage-gpu-build.sh are
 # awaited the same way in $STAGE_DIR (until $STAGE_DIR/complete). Nothing before the GPU phase needs
 # the GPU: started while a device-run.sh / device-session.sh run is under way, it waits for that run's
@@ -24,7 +24,7 @@ run=/tmp/e2e-v0
 source "$root/scripts/e2e/device-staging.sh"
 start_run "$run" "$root"
 
-staged_model qwen2.5-coder-1.5b
+staged_model qwen2.5-coder-1.5b smollm2
 if [[ ! -f "$venv/.built" ]]; then
   [[ -f "$stage/wheels/ENGINE_WHEEL" ]] || { echo "== waiting for the staged wheels ($stage/complete)"; wait_for "$stage/complete"; }
   bash scripts/e2e/device-gpu-build.sh vllm-0.6.x "$venv" && touch "$venv/.built"

@@ -13,7 +13,7 @@
 #   sglang-patched.tar   the files of sglang/ that the prefill-accel series and overlay change or add, applied
 #                        here to the very wheel by `prefill-accel apply`
 #   SHA256SUMS
-# The model travels separately: STAGE_VLLM=0 STAGE_MODELS=qwen2.5-coder-1.5b scripts/e2e/stage.sh.
+# The model travels separately: STAGE_VLLM=0 STAGE_MODELS="qwen2.5-coder-1.5b smollm2" scripts/e2e/stage.sh.
 # On the device: scripts/e2e/device-sglang.sh installs, probes the imports and runs the sglang phase.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"

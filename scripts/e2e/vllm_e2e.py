@@ -48,6 +48,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import select
 import shlex
 import statistics
@@ -547,14 +548,32 @@ def start_both(first, second) -> tuple[Worker, Worker]:
         raise
 
 
-def pair(name: str, gpus: str, upstream: dict, patched: dict) -> tuple[Worker, Worker]:
+def pair(name: str, gpus: str, upstream: dict, patched: dict,
+         patched_env: dict[str, str] | None = None) -> tuple[Worker, Worker]:  # fmt: skip
     return start_both(lambda: Worker(f"{name}-upstream", "upstream", gpus, upstream),
-                      lambda: Worker(f"{name}-patched", "patched", gpus, patched))  # fmt: skip
+                      lambda: Worker(f"{name}-patched", "patched", gpus, patched, extra_env=patched_env))  # fmt: skip
+
+
+STATS_LINE = "sparse prefill: "  # prefill_accel.stats' line, logged every PREFILL_ACCEL_STATS calls
+
+
+def stats_lines(log: Path) -> list[str]:
+    """The sparse path's statistics lines (PREFILL_ACCEL_STATS) in an engine's log, oldest first."""
+    return [line.split(STATS_LINE, 1)[1] for line in log.read_text(errors="replace").splitlines() if STATS_LINE in line]
+
+
+def sparse_tokens(lines: list[str], calls_per_forward: int) -> int:
+    """Tokens the sparse kernel computed in the forwards that statistics ``lines`` cover: their query tokens
+    over the kernel calls one forward makes (layers x ranks)."""
+    return sum(int(re.search(r"(\d+) query tokens", line)[1]) for line in lines) // calls_per_forward
 
 
 def equality_stage(results: dict, gpus: str, model: str, tp: int, tag: str) -> None:
     """Greedy tokens at threshold 0: one mixed batch (long prompts chunked, short ones, decodes), then a
-    prompt whose first 3072 tokens hit the prefix cache so its continuation chunk is computed sparse."""
+    prompt whose first 3072 tokens hit the prefix cache so its continuation chunk is computed sparse. The
+    patched engine logs the sparse path's statistics once per forward (PREFILL_ACCEL_STATS at the layer
+    count; each rank its own), so the prefix hit's lines say how many of its tokens the kernel computed."""
+    layers = json.loads((MODELS / model / "config.json").read_text())["num_hidden_layers"]
     tok = tokenizer_for(model)
     corpus = Corpus(tok, 40_000)
     max_len = MODEL_SPECS[model].max_length
@@ -563,7 +582,8 @@ def equality_stage(results: dict, gpus: str, model: str, tp: int, tag: str) -> N
     shorts = [corpus.window(100 + 60 * i, 50 + i) for i in range(6)]
     base = dict(max_model_len=max_len, chunk=2048, eager=True, tp=tp)
     up, pa = pair(f"{tag}-eq", gpus, engine_kwargs(model, **base),
-                  engine_kwargs(model, **base, **sparse(threshold=0.0, min_len=512)))  # fmt: skip
+                  engine_kwargs(model, **base, **sparse(threshold=0.0, min_len=512)),
+                  patched_env={"PREFILL_ACCEL_STATS": str(layers)})  # fmt: skip
     try:
         batch = longs + shorts
         out = {side: w.call(op="generate", prompts=batch, max_tokens=32, logprobs=2) for side, w in (("u", up), ("p", pa))}
@@ -573,16 +593,22 @@ def equality_stage(results: dict, gpus: str, model: str, tp: int, tag: str) -> N
         cache = {}
         for side, w in (("u", up), ("p", pa)):
             w.call(op="generate", prompts=[first], max_tokens=1)
+            logged = len(stats_lines(w.log))
             cache[side] = w.call(op="generate", prompts=[second], max_tokens=32, logprobs=2)
+            hit_lines = stats_lines(w.log)[logged:]  # the patched side's, the last: upstream logs none
+        hit_sparse = sparse_tokens(hit_lines, layers * tp)
         rows += [dict(r, prompt="prefix-cache hit") for r in compare_tokens(cache["u"], cache["p"])]
         for row, n in zip(rows, [len(p) for p in batch] + [len(second)]):
             row["prompt_tokens"] = n
         result = results[f"{tag}_greedy_threshold0"] = {
             "model": model, "tp": tp, "equal": sum(r["equal"] for r in rows), "prompts": len(rows), "rows": rows,
             "engine": "chunked prefill 2048, prefix caching on, patched --sparse-prefill-min-len 512",
+            "prefix_hit": {"prompt_tokens": len(second), "shared_prefix_tokens": len(prefix),
+                           "computed_sparse_tokens": hit_sparse, "stats": hit_lines},
         }  # fmt: skip
         say(f"{tag} greedy threshold 0: {sum(r['equal'] for r in rows)}/{len(rows)} prompts equal; "
-            f"differing: {[r for r in rows if not r['equal']]}")
+            f"differing: {[r for r in rows if not r['equal']]}; the prefix-cache hit ({len(second)} tokens, "
+            f"{len(prefix)} shared): {hit_sparse} computed by the sparse kernel")
         if ENGINE == "vllm-v0":  # the scored texts extend cached prompts; V0's sampler asserts on prompt logprobs after a prefix hit
             result["teacher_forced"] = {"skipped": V0_NO_PROMPT_LOGPROBS}
         else:
@@ -1015,7 +1041,9 @@ def serve_bench_stage(results: dict, gpus: str, model: str, args) -> None:
 
 def sglang_bench_serving(up: Server, pa: Server, model: str, args) -> dict:
     """SGLang's own benchmark (its users' tool) against the two servers, beside `prefill-accel bench`: per
-    length, --repeats requests of random token ids one at a time, one output token; its median TTFT."""
+    length, --repeats requests of random token ids one at a time, one output token; its median TTFT. Its
+    warm-up request is the first measured prompt, so the radix cache is flushed after it (--flush-cache):
+    otherwise one of the measured requests is a full cache hit."""
     table = {}
     for length in [prompt_len(model, n) for n in args.lengths]:
         row = {}
@@ -1026,7 +1054,8 @@ def sglang_bench_serving(up: Server, pa: Server, model: str, args) -> dict:
                        f"http://127.0.0.1:{server.port}", "--model", server.model, "--tokenizer", server.model,
                        "--dataset-name", "random-ids", "--random-input-len", str(length), "--random-output-len", "1",
                        "--random-range-ratio", "1", "--num-prompts", str(args.repeats), "--max-concurrency", "1",
-                       "--request-rate", "inf", "--seed", str(length), "--disable-tqdm", "--output-file", str(out)]  # fmt: skip
+                       "--request-rate", "inf", "--seed", str(length), "--flush-cache", "--disable-tqdm",
+                       "--output-file", str(out)]  # fmt: skip
             proc = subprocess.run(command, env=side_env("upstream", ""), capture_output=True, text=True, timeout=1800)
             (LOGS / f"bench-serving-{label}-{length}.log").write_text(proc.stdout + proc.stderr)
             lines = out.read_text().splitlines() if out.is_file() else []
@@ -1036,7 +1065,7 @@ def sglang_bench_serving(up: Server, pa: Server, model: str, args) -> dict:
         table[length] = row
         say(f"bench_serving {length}: {row}")
     return {"command": "python -m sglang.bench_serving --backend sglang --dataset-name random-ids --random-output-len 1 "
-            f"--num-prompts {args.repeats} --max-concurrency 1", "by_length": table}  # fmt: skip
+            f"--num-prompts {args.repeats} --max-concurrency 1 --flush-cache", "by_length": table}  # fmt: skip
 
 
 def run_bench(up: Server, pa: Server, model: str, args) -> dict:
@@ -1159,7 +1188,9 @@ def engine_phase(results: dict, gpus: str, args, engine: str, tag: str) -> None:
     """Another engine (``engine``: ENGINE's "vllm-v0" or "sglang") patched against its upstream on
     Qwen2.5-Coder-1.5B, each stage its own pair, started in turn: greedy tokens at threshold 0, needles at
     32K and 128K (default config), offline TTFT, TTFT through its server with `prefill-accel bench` (and
-    SGLang's bench_serving), the mixed load. Stages and results are named ``tag``_..."""
+    SGLang's bench_serving), the mixed load; then greedy tokens at threshold 0 on SmolLM2 (another head
+    layout, 9 / 3 with d=64; trained to 8K, so no needles or TTFT past it). Stages and results are named
+    ``tag``_..."""
     global ENGINE
     ENGINE = engine
     tok = tokenizer_for(QWEN)
@@ -1171,6 +1202,7 @@ def engine_phase(results: dict, gpus: str, args, engine: str, tag: str) -> None:
                                                            f"{tag}_qwen_offline_ttft")),
         (f"{tag}_serve", lambda: serve_bench_stage(results, gpus, QWEN, args)),
         (f"{tag}_mixed_load", lambda: mixed_stage(results, gpus, tok, Corpus(tok, 256 * 1024), MODELS / QWEN, args)),
+        (f"{tag}_smol_equality", lambda: equality_stage(results, gpus, "smollm2", 1, f"{tag}_smollm2")),
     ):  # fmt: skip
         run_stage(results, name, stage)
 
@@ -1209,8 +1241,7 @@ def engine_density_stage(results: dict, gpus: str, model: str, key: str) -> None
             worker.call(op="ttft", prompt=corpus.window(length, 4242 + length))
     finally:
         worker.close()
-    lines = [line.split("sparse prefill: ", 1)[1] for line in worker.log.read_text().splitlines()
-             if "sparse prefill: " in line]  # fmt: skip
+    lines = stats_lines(worker.log)
     results[key] = {"model": model, "lines": lines,
                     "note": f"per chunk of 16384 queries, {layers} layers each; 16K prompt, 32K, then 128K; in the "
                     "qwen phase it runs beside the other checks, so its milliseconds are not the kernels' own"}  # fmt: skip
@@ -1244,23 +1275,25 @@ def report(results: dict) -> str:
         lines.append(f"{QWEN} rope override applied by vLLM: {r['override_applied']} (first-token log-prob changes by up to "
                      f"{r['max_first_logprob_change']:.4f}); greedy tokens vLLM = transformers: "
                      + ", ".join(f"{label} {run['equal']}/{run['prompts']}" for label, run in r["runs"].items()))
-    for key in ("smollm2_greedy_threshold0", "gemma3_tp2_greedy_threshold0", "qwen_greedy_threshold0",
-                "v0_qwen_greedy_threshold0", "sglang_qwen_greedy_threshold0"):
-        if key in results:
-            r = results[key]
-            lines.append(f"Greedy tokens, threshold 0, {r['model']} TP={r['tp']}: **{r['equal']}/{r['prompts']}** "
-                         f"prompts equal to upstream ({r['engine']})")  # fmt: skip
-            t = r.get("teacher_forced")
-            if t and "skipped" in t:
-                lines.append(f"  teacher-forced comparison not run: {t['skipped']}")
-            elif t:
-                lines.append(f"  teacher-forced on upstream's tokens: top-1 equal at {t['top1_agree']}/{t['positions']} "
-                             f"positions, max |log-prob difference| {t['max_abs_logprob_diff']:.3f} nats")  # fmt: skip
-            for row in r["rows"]:
-                if not row["equal"]:
-                    lines.append(f"  - prompt {row['prompt']} ({row['prompt_tokens']} tokens): first difference at "
-                                 f"output token {row['first_diff']}, upstream top-1/top-2 margin "
-                                 f"{row.get('upstream_margin', float('nan')):.3f} nats")  # fmt: skip
+    for key in [key for key in results if key.endswith("_greedy_threshold0")]:  # equality_stage's, in run order
+        r = results[key]
+        lines.append(f"Greedy tokens, threshold 0, {r['model']} TP={r['tp']}: **{r['equal']}/{r['prompts']}** "
+                     f"prompts equal to upstream ({r['engine']})")  # fmt: skip
+        hit = r.get("prefix_hit")
+        if hit:
+            lines.append(f"  prefix-cache hit: {hit['computed_sparse_tokens']} of its {hit['prompt_tokens']} tokens "
+                         f"computed by the sparse kernel ({hit['shared_prefix_tokens']} shared with a cached prompt)")
+        t = r.get("teacher_forced")
+        if t and "skipped" in t:
+            lines.append(f"  teacher-forced comparison not run: {t['skipped']}")
+        elif t:
+            lines.append(f"  teacher-forced on upstream's tokens: top-1 equal at {t['top1_agree']}/{t['positions']} "
+                         f"positions, max |log-prob difference| {t['max_abs_logprob_diff']:.3f} nats")  # fmt: skip
+        for row in r["rows"]:
+            if not row["equal"]:
+                lines.append(f"  - prompt {row['prompt']} ({row['prompt_tokens']} tokens): first difference at "
+                             f"output token {row['first_diff']}, upstream top-1/top-2 margin "
+                             f"{row.get('upstream_margin', float('nan')):.3f} nats")  # fmt: skip
     for key in ("gemma_needles", "qwen_needles", "v0_qwen_needles", "sglang_qwen_needles"):
         if key in results:
             lines += ["", f"| {results[key]['model']} needles | upstream correct | patched correct | same answer |",
@@ -1325,7 +1358,7 @@ def main() -> None:
                         "gemma_needles, offline_ttft, serve_ttft, mixed_load, chunk_bench, engine_density, "
                         "tp2_equality, tp2_ttft, qwen_rope_check, qwen_equality, qwen_needles, qwen_accuracy_N, qwen_captures, "
                         "qwen_engine_density, qwen_offline_ttft, qwen_variant_ttft, qwen_serve, qwen_layer_times, v0_equality, "
-                        "v0_needles, v0_offline_ttft, v0_serve, v0_mixed_load, sglang_equality, sglang_needles, sglang_offline_ttft, sglang_serve, sglang_mixed_load)")  # fmt: skip
+                        "v0_needles, v0_offline_ttft, v0_serve, v0_mixed_load, sglang_equality, sglang_needles, sglang_offline_ttft, sglang_serve, sglang_mixed_load, v0_smol_equality, sglang_smol_equality)")  # fmt: skip
     parser.add_argument("--capture-layers", default="7,21", help="layers of the qwen phase's captured q/k/v")
     parser.add_argument("--accuracy-run", action="append", default=[], metavar="ARGS",
                         help="arguments of one accuracy-harness run on the qwen model among the qwen phase's checks "
