@@ -18,7 +18,8 @@ import pytest
 
 from prefill_accel.errors import UsageError
 from prefill_accel.tooling.targets import target_from_toml
-from prefill_accel.tooling.verify import FAILED, OFFLINE_REVISION, PASSED, SKIPPED, offline_hf_home, verify
+from prefill_accel.tooling.verify import (FAILED, OFFLINE_REVISION, PASSED, SKIPPED, Harness, check_tests_exist,
+                                          offline_hf_home, verify)
 
 from .conftest import QUIET, ROOT, VENV_TARGET, fetched
 
@@ -153,3 +154,27 @@ def test_a_target_without_upstream_tests_must_say_why(targets):
     text = targets.resolve("sglang-0.5.16").to_toml().replace("no_cpu_tests_reason = ", "# ")
     with pytest.raises(UsageError, match="say why in no_cpu_tests_reason"):
         target_from_toml(text)
+
+
+def test_verify_on_a_gpu_needs_the_gpu_environments_interpreter(targets):
+    with pytest.raises(UsageError, match="needs --python"):
+        verify(targets.resolve(VENV_TARGET), ROOT, gpu=True, progress=QUIET)
+    with pytest.raises(UsageError, match="names no gpu_tests"):
+        verify(targets.resolve("sglang-0.5.16"), ROOT, sys.executable, gpu=True, progress=QUIET)
+
+
+def test_the_gpu_harness_compiles_triton_for_the_device_without_cpu_plugins(targets, tmp_path):
+    cpu = Harness.prepare(targets.resolve("vllm-0.26.0"), ROOT, tmp_path / "cpu")
+    gpu = Harness.prepare(targets.resolve("vllm-0.26.0"), ROOT, tmp_path / "gpu", gpu=True)
+    assert cpu.plugins == ("vllm_cpu_platform",) and gpu.plugins == () and gpu.paths == ()
+    assert gpu.env["TRITON_INTERPRET"] == "0" and "TRITON_INTERPRET" not in cpu.env
+    v0 = Harness.prepare(targets.resolve(VENV_TARGET), ROOT, tmp_path / "v0", gpu=True)
+    assert (tmp_path / "v0" / "hf-home" / "hub" / "models--facebook--opt-125m").is_dir()
+    assert v0.env["HF_HOME"] == str(tmp_path / "v0" / "hf-home")
+
+
+def test_every_gpu_test_of_a_target_is_in_its_upstream_tree_at_the_tag(targets):
+    named = [target for target in targets.targets.values() if target.gpu_tests]
+    assert named, "no target names gpu_tests"
+    for target in named:
+        check_tests_exist(target, ROOT, list(target.gpu_tests), QUIET)  # raises, naming what is missing

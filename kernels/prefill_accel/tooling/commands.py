@@ -173,7 +173,10 @@ def _configure_verify(p):
                                     "this interpreter for a target without upstream CPU tests)")
     p.add_argument("--work", type=Path, help="keep the trees and test reports in this new directory")
     p.add_argument("--tests", nargs="+", metavar="PATH",
-                   help="upstream tests to run instead of the target's cpu_tests (tree-relative)")
+                   help="upstream tests to run instead of the target's cpu_tests or gpu_tests (tree-relative)")
+    p.add_argument("--gpu", action="store_true",
+                   help="run the target's gpu_tests on this machine's GPU: the wheel keeps its compiled kernels and "
+                        "Triton compiles for the device; needs --python of a GPU environment (build.sh --venv DIR --gpu)")
 
 
 def _run_verify(args) -> int:
@@ -181,7 +184,7 @@ def _run_verify(args) -> int:
 
     targets = Targets.load()
     target = targets.resolve(args.target)
-    report = verify(target, targets.root, args.python, args.work, args.tests, progress_of(args))
+    report = verify(target, targets.root, args.python, args.work, args.tests, progress_of(args), args.gpu)
     print(report.render())
     return 0 if report.ok else 1
 

@@ -42,6 +42,10 @@ class Target:
     venv_requirements: str = ""
     venv_remove: tuple[str, ...] = ()
     gpu_constraints: tuple[str, ...] = ()
+    gpu_tests: tuple[str, ...] = ()
+    """Upstream test files (or node ids) that `verify --gpu` runs on a GPU machine for the patched areas."""
+    gpu_test_models: tuple[str, ...] = ()
+    """As cpu_test_models, for the gpu_tests."""
     gpu_wheels: tuple[str, ...] = ()
     """The engine's wheels for other Pythons, "FILENAME SHA256" each: `build --venv --gpu` installs the one
     that fits the environment's Python where ``wheel`` (pinned for the CPU tests' Python) does not."""

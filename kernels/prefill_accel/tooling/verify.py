@@ -1,4 +1,4 @@
-"""Run upstream's own CPU-capable tests on the unpatched and the patched engine; fail only on regressions.
+"""Run upstream's own tests on the unpatched and the patched engine; fail only on regressions.
 
 Upstream's suites do not all pass on a CPU machine even unpatched, so the gate is the difference: a test
 that passes unpatched and fails patched is a regression. Our own tests (overlay files under upstream's
@@ -16,6 +16,12 @@ so they exercise what ships; ours run in the patched tree with its package first
 checkout's kernels/ (the runtime package the install step adds to a patched engine). Every run uses the
 interpreter given (default: the target's cached test environment, envbuild.cached_test_env) and loads the
 target's cpu_test_plugins from ci/upstream-tests/.
+
+With gpu=True (`verify --gpu`, on a machine with a GPU and the interpreter of the GPU environment that
+`build.sh --venv DIR --gpu` makes) the upstream runs are the target's gpu_tests: the wheel keeps its compiled
+kernels (no venv_remove), Triton compiles for the device instead of interpreting, no CPU-platform plugins
+load, and the offline HF_HOME holds the gpu_test_models. Ours are not run there: they check the overlay on
+CPU stand-ins, which the CPU runs do.
 """
 
 from __future__ import annotations
@@ -45,9 +51,10 @@ RUNTIME_DIR = Path("kernels")
 # Any commit-shaped name will do: the offline hub cache only needs refs/main to name the snapshot.
 OFFLINE_REVISION = "0" * 40
 ROOT_TEST_CONFIG = ("pyproject.toml", "setup.cfg", "pytest.ini", "tox.ini", "conftest.py")
-# Defaults of every test run (the caller's environment wins): no model hub, and Triton kernels through the
-# interpreter, set before any test module imports them (as tests/conftest.py does on a CPU machine).
-RUN_DEFAULTS = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TRITON_INTERPRET": "1"}
+# Defaults of every test run (the caller's environment wins): no model hub, and, on a CPU machine, Triton
+# kernels through the interpreter, set before any test module imports them (as tests/conftest.py does there).
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+RUN_DEFAULTS = {**OFFLINE, "TRITON_INTERPRET": "1"}
 UNPACKED_MARKER = ".prefill-accel-unpacked.json"
 
 
@@ -73,6 +80,7 @@ class VerifyReport:
     unpatched: Outcomes
     patched: Outcomes
     ours: Outcomes
+    gpu: bool = False
 
     @property
     def regressions(self) -> list[str]:
@@ -84,8 +92,9 @@ class VerifyReport:
         return not self.regressions and self.ours.count(FAILED) == 0
 
     def render(self) -> str:
+        where = "upstream's GPU tests on this machine's GPU, " if self.gpu else ""
         lines = [
-            f"verify {self.target.name} (tests run with {self.python})",
+            f"verify {self.target.name} ({where}tests run with {self.python})",
             f"  upstream tests, unpatched: {self.unpatched.summary()}",
             f"  upstream tests, patched:   {self.patched.summary()}",
             f"  our tests, patched:        {self.ours.summary()}",
@@ -106,12 +115,16 @@ class Harness:
     env: dict[str, str]
 
     @classmethod
-    def prepare(cls, target: Target, root: Path, work: Path) -> "Harness":
-        env = {}
-        if target.cpu_test_models:
-            env["HF_HOME"] = str(offline_hf_home(target.cpu_test_models, root, work / "hf-home"))
-        paths = (root / SUPPORT_DIR,) if target.cpu_test_plugins else ()
-        return cls(target.cpu_test_plugins, paths, env)
+    def prepare(cls, target: Target, root: Path, work: Path, gpu: bool = False) -> "Harness":
+        """The CPU runs' harness, or with gpu the GPU runs': no CPU-platform plugins, gpu_test_models, and
+        Triton compiling for the device (RUN_DEFAULTS' interpreter switched off)."""
+        models = target.gpu_test_models if gpu else target.cpu_test_models
+        plugins = () if gpu else target.cpu_test_plugins
+        env = {"TRITON_INTERPRET": "0"} if gpu else {}
+        if models:
+            env["HF_HOME"] = str(offline_hf_home(models, root, work / "hf-home"))
+        paths = (root / SUPPORT_DIR,) if plugins else ()
+        return cls(plugins, paths, env)
 
 
 def offline_hf_home(models: tuple[str, ...], root: Path, home: Path) -> Path:
@@ -136,9 +149,14 @@ def our_tests(target: Target, root: Path) -> list[str]:
 
 
 def verify(target: Target, root: Path, python: str | None = None, work: Path | None = None,
-           tests: list[str] | None = None, progress: Progress | None = None) -> VerifyReport:
+           tests: list[str] | None = None, progress: Progress | None = None, gpu: bool = False) -> VerifyReport:
     progress = progress or Progress()
-    upstream_tests = list(tests if tests is not None else target.cpu_tests)
+    upstream_tests = list(tests if tests is not None else target.gpu_tests if gpu else target.cpu_tests)
+    if gpu and python is None:
+        raise UsageError("verify --gpu needs --python: the interpreter of a GPU environment "
+                         f"(scripts/build.sh {target.name} --venv DIR --gpu)")
+    if gpu and not upstream_tests:
+        raise UsageError(f"{target.name} names no gpu_tests (patches/targets.toml); give --tests")
     if python is not None:
         check_python(python)
     if work is not None and Path(work).exists() and any(Path(work).iterdir()):
@@ -152,10 +170,10 @@ def verify(target: Target, root: Path, python: str | None = None, work: Path | N
         fetch(target, unpatched, root, progress)
         fetch(target, patched, root, progress)
         apply(target, patched, root, progress)
-        harness = Harness.prepare(target, root, work)
+        harness = Harness.prepare(target, root, work, gpu)
         runtime = root / RUNTIME_DIR  # the patched engine's prefill_accel, as the install step provides it
         if upstream_tests:
-            site = unpacked_wheel(target, root, progress)
+            site = unpacked_wheel(target, root, progress, gpu)
             patched_site = work / "patched-site"
             with progress.step(f"Linking a copy of {site.name} to patch"):
                 linked_copy(site, patched_site)
@@ -171,11 +189,14 @@ def verify(target: Target, root: Path, python: str | None = None, work: Path | N
         else:
             reason = target.no_cpu_tests_reason if tests is None else "no upstream tests requested"
             before = after = Outcomes({}, reason)
-        with progress.step("Our tests on the patched tree"):
-            # Ours are self-contained: upstream's conftest would demand its full test environment.
-            ours = run_pytest(python, harness, [patched / target.path_prefix, runtime], patched,
-                              our_tests(target, root), work / "ours.xml", "--noconftest")
-    return VerifyReport(target, python, before, after, ours)
+        if gpu:  # ours check the overlay on CPU stand-ins, through Triton's interpreter
+            ours = Outcomes({}, "ours run on a CPU machine (verify without --gpu)")
+        else:
+            with progress.step("Our tests on the patched tree"):
+                # Ours are self-contained: upstream's conftest would demand its full test environment.
+                ours = run_pytest(python, harness, [patched / target.path_prefix, runtime], patched,
+                                  our_tests(target, root), work / "ours.xml", "--noconftest")
+    return VerifyReport(target, python, before, after, ours, gpu)
 
 
 def check_python(python: str) -> None:
@@ -202,11 +223,13 @@ def check_tests_exist(target: Target, root: Path, tests: list[str], progress: Pr
                          "(paths are relative to the tree's root, e.g. tests/core/test_scheduler.py)")
 
 
-def unpacked_wheel(target: Target, root: Path, progress: Progress) -> Path:
-    """The target's pinned wheel unpacked (site-packages layout, venv_remove applied), cached; do not modify."""
+def unpacked_wheel(target: Target, root: Path, progress: Progress, gpu: bool = False) -> Path:
+    """The target's pinned wheel unpacked (site-packages layout), cached; do not modify. For CPU runs
+    venv_remove is applied; for GPU runs (gpu) the wheel stays whole, in a directory of its own."""
     wheel = registry.fetch_file(target.engine, target.wheel, target.wheel_sha256, root, progress)
-    dest = registry.cache_dir(root) / "wheels" / wheel.name.removesuffix(".whl")
-    marker = {"wheel_sha256": target.wheel_sha256, "venv_remove": list(target.venv_remove)}
+    dest = registry.cache_dir(root) / "wheels" / (wheel.name.removesuffix(".whl") + ("-gpu" if gpu else ""))
+    removed = () if gpu else target.venv_remove
+    marker = {"wheel_sha256": target.wheel_sha256, "venv_remove": list(removed)}
     if (dest / UNPACKED_MARKER).is_file() and json.loads((dest / UNPACKED_MARKER).read_text()) == marker:
         return dest
     with progress.step(f"Unpacking {wheel.name}"):
@@ -215,7 +238,8 @@ def unpacked_wheel(target: Target, root: Path, progress: Progress) -> Path:
         stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
         with zipfile.ZipFile(wheel) as zf:
             zf.extractall(stage)
-        envbuild.remove_cpu_breaking_files(target, stage)
+        if not gpu:
+            envbuild.remove_cpu_breaking_files(target, stage)
         (stage / UNPACKED_MARKER).write_text(json.dumps(marker) + "\n")
         os.replace(stage, dest)
     return dest
