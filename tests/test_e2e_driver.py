@@ -393,15 +393,18 @@ def test_the_tokens_a_prefix_hit_computed_sparse_come_from_the_runtimes_own_stat
 
 def test_bench_serving_flushes_the_radix_cache_after_its_warm_up(driver, tmp_path, monkeypatch):
     """SGLang's bench_serving warms up with its first measured prompt; without --flush-cache that request is
-    a full radix-cache hit (run 1, 2026-12-04: one of five TTFTs near zero)."""
-    commands = []
+    a full radix-cache hit (run 1, 2026-12-04: one of five TTFTs near zero). Its runs share one process,
+    upstream and patched in turn at each length."""
+    calls = []
 
-    def run(command, **kwargs):
-        commands.append(command)
-        out = Path(command[command.index("--output-file") + 1])
-        out.write_text(json.dumps({"median_ttft_ms": 100.0 if "8111" in command[command.index("--base-url") + 1]
-                                   else 50.0}) + "\n")  # fmt: skip
-        return type("Done", (), {"stdout": "", "stderr": "", "returncode": 0})()
+    def run(command, input, **kwargs):
+        runs = json.loads(input)
+        calls.append((command, runs))
+        for argv in runs[:-1]:  # the last run writes nothing, as a failed one
+            out = Path(argv[argv.index("--output-file") + 1])
+            port = argv[argv.index("--base-url") + 1].rsplit(":", 1)[1]
+            out.write_text(json.dumps({"median_ttft_ms": 100.0 if port == "8111" else 50.0}) + "\n")
+        return type("Done", (), {"stdout": "", "stderr": "", "returncode": 1})()
 
     monkeypatch.setattr(driver.subprocess, "run", run)
     monkeypatch.setattr(driver, "OUT_DIR", tmp_path)
@@ -409,7 +412,11 @@ def test_bench_serving_flushes_the_radix_cache_after_its_warm_up(driver, tmp_pat
     server = type("Server", (), {"model": "m"})
     up, pa = server(), server()
     up.port, pa.port = 8111, 8112
-    args = type("Args", (), {"lengths": [8192], "repeats": 5})()
+    args = type("Args", (), {"lengths": [8192, 16384], "repeats": 5})()
     result = driver.sglang_bench_serving(up, pa, driver.QWEN, args)
-    assert all("--flush-cache" in command for command in commands) and len(commands) == 2
-    assert result["by_length"][8192]["speedup"] == 2.0 and "--flush-cache" in result["command"]
+    (command, runs), = calls
+    assert command[-1].endswith("sglang_bench_serving.py") and len(runs) == 4
+    assert all("--flush-cache" in argv for argv in runs) and "--flush-cache" in result["command"]
+    assert [argv[argv.index("--base-url") + 1][-4:] for argv in runs] == ["8111", "8112", "8111", "8112"]
+    assert result["by_length"][8192]["speedup"] == 2.0 and result["exit"] == 1
+    assert result["by_length"][16384] == {"upstream_ms": 100.0, "patched_ms": None}

@@ -1041,31 +1041,36 @@ def serve_bench_stage(results: dict, gpus: str, model: str, args) -> None:
 
 def sglang_bench_serving(up: Server, pa: Server, model: str, args) -> dict:
     """SGLang's own benchmark (its users' tool) against the two servers, beside `prefill-accel bench`: per
-    length, --repeats requests of random token ids one at a time, one output token; its median TTFT. Its
-    warm-up request is the first measured prompt, so the radix cache is flushed after it (--flush-cache):
-    otherwise one of the measured requests is a full cache hit."""
-    table = {}
+    length, --repeats requests of random token ids one at a time, one output token; its median TTFT. The
+    runs go through its entry point in one process (sglang_bench_serving.py), upstream and patched in turn
+    at each length. Its warm-up request is the first measured prompt, so the radix cache is flushed after it
+    (--flush-cache): otherwise one of the measured requests is a full cache hit."""
+    runs, outputs = [], {}
     for length in [prompt_len(model, n) for n in args.lengths]:
-        row = {}
         for label, server in (("upstream", up), ("patched", pa)):
-            out = OUT_DIR / f"bench-serving-{label}-{length}.jsonl"
+            out = outputs[length, label] = OUT_DIR / f"bench-serving-{label}-{length}.jsonl"
             out.unlink(missing_ok=True)
-            command = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url",
-                       f"http://127.0.0.1:{server.port}", "--model", server.model, "--tokenizer", server.model,
-                       "--dataset-name", "random-ids", "--random-input-len", str(length), "--random-output-len", "1",
-                       "--random-range-ratio", "1", "--num-prompts", str(args.repeats), "--max-concurrency", "1",
-                       "--request-rate", "inf", "--seed", str(length), "--flush-cache", "--disable-tqdm",
-                       "--output-file", str(out)]  # fmt: skip
-            proc = subprocess.run(command, env=side_env("upstream", ""), capture_output=True, text=True, timeout=1800)
-            (LOGS / f"bench-serving-{label}-{length}.log").write_text(proc.stdout + proc.stderr)
-            lines = out.read_text().splitlines() if out.is_file() else []
-            row[f"{label}_ms"] = json.loads(lines[-1])["median_ttft_ms"] if lines else None
-        if row["upstream_ms"] and row["patched_ms"]:
-            row["speedup"] = row["upstream_ms"] / row["patched_ms"]
-        table[length] = row
-        say(f"bench_serving {length}: {row}")
+            runs.append(["--backend", "sglang", "--base-url", f"http://127.0.0.1:{server.port}", "--model", server.model,
+                         "--tokenizer", server.model, "--dataset-name", "random-ids", "--random-input-len", str(length),
+                         "--random-output-len", "1", "--random-range-ratio", "1", "--num-prompts", str(args.repeats),
+                         "--max-concurrency", "1", "--request-rate", "inf", "--seed", str(length), "--flush-cache",
+                         "--disable-tqdm", "--output-file", str(out)])  # fmt: skip
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("sglang_bench_serving.py"))],
+                          input=json.dumps(runs), env=side_env("upstream", ""), capture_output=True, text=True,
+                          timeout=3600)  # fmt: skip
+    (LOGS / "bench-serving.log").write_text(proc.stdout + proc.stderr)
+    table = {}
+    for (length, label), out in outputs.items():
+        lines = out.read_text().splitlines() if out.is_file() else []
+        row = table.setdefault(length, {})
+        row[f"{label}_ms"] = json.loads(lines[-1])["median_ttft_ms"] if lines else None
+        if label == "patched":
+            if row["upstream_ms"] and row["patched_ms"]:
+                row["speedup"] = row["upstream_ms"] / row["patched_ms"]
+            say(f"bench_serving {length}: {row}")
     return {"command": "python -m sglang.bench_serving --backend sglang --dataset-name random-ids --random-output-len 1 "
-            f"--num-prompts {args.repeats} --max-concurrency 1 --flush-cache", "by_length": table}  # fmt: skip
+            f"--num-prompts {args.repeats} --max-concurrency 1 --flush-cache", "exit": proc.returncode,
+            "by_length": table}  # fmt: skip
 
 
 def run_bench(up: Server, pa: Server, model: str, args) -> dict:
