@@ -1192,10 +1192,10 @@ def qwen_phase(results: dict, gpus: str, args) -> None:
 def engine_phase(results: dict, gpus: str, args, engine: str, tag: str) -> None:
     """Another engine (``engine``: ENGINE's "vllm-v0" or "sglang") patched against its upstream on
     Qwen2.5-Coder-1.5B, each stage its own pair, started in turn: greedy tokens at threshold 0, needles at
-    32K and 128K (default config), offline TTFT, TTFT through its server with `prefill-accel bench` (and
-    SGLang's bench_serving), the mixed load; then greedy tokens at threshold 0 on SmolLM2 (another head
-    layout, 9 / 3 with d=64; trained to 8K, so no needles or TTFT past it). Stages and results are named
-    ``tag``_..."""
+    32K and 128K (default config), offline TTFT, the mixed load, greedy tokens at threshold 0 on SmolLM2
+    (another head layout, 9 / 3 with d=64; trained to 8K, so no needles or TTFT past it), and last, the
+    longest, TTFT through its server with `prefill-accel bench` (and SGLang's bench_serving). Stages and
+    results are named ``tag``_..."""
     global ENGINE
     ENGINE = engine
     tok = tokenizer_for(QWEN)
@@ -1205,9 +1205,9 @@ def engine_phase(results: dict, gpus: str, args, engine: str, tag: str) -> None:
                                                 f"{tag}_qwen_needles")),
         (f"{tag}_offline_ttft", lambda: offline_ttft_stage(results, gpus, QWEN, args.lengths, args.repeats,
                                                            f"{tag}_qwen_offline_ttft")),
-        (f"{tag}_serve", lambda: serve_bench_stage(results, gpus, QWEN, args)),
         (f"{tag}_mixed_load", lambda: mixed_stage(results, gpus, tok, Corpus(tok, 256 * 1024), MODELS / QWEN, args)),
         (f"{tag}_smol_equality", lambda: equality_stage(results, gpus, "smollm2", 1, f"{tag}_smollm2")),
+        (f"{tag}_serve", lambda: serve_bench_stage(results, gpus, QWEN, args)),
     ):  # fmt: skip
         run_stage(results, name, stage)
 
