@@ -420,3 +420,18 @@ def test_bench_serving_flushes_the_radix_cache_after_its_warm_up(driver, tmp_pat
     assert [argv[argv.index("--base-url") + 1][-4:] for argv in runs] == ["8111", "8112", "8111", "8112"]
     assert result["by_length"][8192]["speedup"] == 2.0 and result["exit"] == 1
     assert result["by_length"][16384] == {"upstream_ms": 100.0, "patched_ms": None}
+
+
+def test_the_engine_phases_run_the_measured_stages_last_and_smollm2_ttft_on_sglang_only(driver, monkeypatch):
+    """The served TTFT, the longest stage, comes last; SmolLM2's TTFT past its 8K needs a rotary-table override
+    that only SGLang takes (V0 refuses hf_overrides other than rope scaling)."""
+    monkeypatch.setattr(driver, "ENGINE", driver.ENGINE)  # engine_phase sets it: restored afterwards
+    monkeypatch.setattr(driver, "tokenizer_for", lambda model: None)
+    monkeypatch.setattr(driver, "Corpus", lambda tok, n: None)
+    for engine, tag in (("sglang", "sglang"), ("vllm-v0", "v0")):
+        names = []
+        monkeypatch.setattr(driver, "run_stage", lambda results, name, stage: names.append(name))
+        driver.engine_phase({}, "0", None, engine, tag)
+        expected = [f"{tag}_{s}" for s in ("equality", "needles", "offline_ttft", "mixed_load", "smol_equality")]
+        expected += [f"{tag}_smol_offline_ttft"] if engine == "sglang" else []
+        assert names == expected + [f"{tag}_serve"]

@@ -1193,13 +1193,14 @@ def engine_phase(results: dict, gpus: str, args, engine: str, tag: str) -> None:
     """Another engine (``engine``: ENGINE's "vllm-v0" or "sglang") patched against its upstream on
     Qwen2.5-Coder-1.5B, each stage its own pair, started in turn: greedy tokens at threshold 0, needles at
     32K and 128K (default config), offline TTFT, the mixed load, greedy tokens at threshold 0 on SmolLM2
-    (another head layout, 9 / 3 with d=64; trained to 8K, so no needles or TTFT past it), and last, the
+    (another head layout, 9 / 3 with d=64; trained to 8K, so no needles past it) and on SGLang its offline
+    TTFT with the rotary table sized for the run (speed only; V0 takes no such override), and last, the
     longest, TTFT through its server with `prefill-accel bench` (and SGLang's bench_serving). Stages and
     results are named ``tag``_..."""
     global ENGINE
     ENGINE = engine
     tok = tokenizer_for(QWEN)
-    for name, stage in (
+    stages = [
         (f"{tag}_equality", lambda: equality_stage(results, gpus, QWEN, 1, f"{tag}_qwen")),
         (f"{tag}_needles", lambda: needle_stage(results, gpus, QWEN, [32768 - 32, 131072 - 64], NEEDLE_DEPTHS,
                                                 f"{tag}_qwen_needles")),
@@ -1207,8 +1208,12 @@ def engine_phase(results: dict, gpus: str, args, engine: str, tag: str) -> None:
                                                            f"{tag}_qwen_offline_ttft")),
         (f"{tag}_mixed_load", lambda: mixed_stage(results, gpus, tok, Corpus(tok, 256 * 1024), MODELS / QWEN, args)),
         (f"{tag}_smol_equality", lambda: equality_stage(results, gpus, "smollm2", 1, f"{tag}_smollm2")),
-        (f"{tag}_serve", lambda: serve_bench_stage(results, gpus, QWEN, args)),
-    ):  # fmt: skip
+    ]  # fmt: skip
+    if engine == "sglang":  # V0 takes no max_position_embeddings override, and SmolLM2 holds 8K
+        stages.append((f"{tag}_smol_offline_ttft", lambda: offline_ttft_stage(
+            results, gpus, "smollm2", args.lengths, args.repeats, f"{tag}_smollm2_offline_ttft")))
+    stages.append((f"{tag}_serve", lambda: serve_bench_stage(results, gpus, QWEN, args)))
+    for name, stage in stages:
         run_stage(results, name, stage)
 
 
@@ -1307,7 +1312,7 @@ def report(results: dict) -> str:
                 lines.append(f"| {length} | {s['upstream_correct']}/{s['prompts']} | {s['patched_correct']}/{s['prompts']} "
                              f"| {s['same_answer']}/{s['prompts']} |")  # fmt: skip
     for key in ("offline_ttft", "serve_ttft", "tp2_ttft", "qwen_offline_ttft", f"{QWEN}_serve_ttft",
-                "v0_qwen_offline_ttft", "sglang_qwen_offline_ttft"):
+                "v0_qwen_offline_ttft", "sglang_qwen_offline_ttft", "sglang_smollm2_offline_ttft"):
         if key in results:
             lines += ["", f"| {key} ({results[key]['model']}) | upstream ms | patched ms | speedup |", "|---|---|---|---|"]
             for length, row in results[key]["by_length"].items():
@@ -1363,7 +1368,7 @@ def main() -> None:
                         "gemma_needles, offline_ttft, serve_ttft, mixed_load, chunk_bench, engine_density, "
                         "tp2_equality, tp2_ttft, qwen_rope_check, qwen_equality, qwen_needles, qwen_accuracy_N, qwen_captures, "
                         "qwen_engine_density, qwen_offline_ttft, qwen_variant_ttft, qwen_serve, qwen_layer_times, v0_equality, "
-                        "v0_needles, v0_offline_ttft, v0_serve, v0_mixed_load, sglang_equality, sglang_needles, sglang_offline_ttft, sglang_serve, sglang_mixed_load, v0_smol_equality, sglang_smol_equality)")  # fmt: skip
+                        "v0_needles, v0_offline_ttft, v0_serve, v0_mixed_load, sglang_equality, sglang_needles, sglang_offline_ttft, sglang_serve, sglang_mixed_load, v0_smol_equality, sglang_smol_equality, sglang_smol_offline_ttft)")  # fmt: skip
     parser.add_argument("--capture-layers", default="7,21", help="layers of the qwen phase's captured q/k/v")
     parser.add_argument("--accuracy-run", action="append", default=[], metavar="ARGS",
                         help="arguments of one accuracy-harness run on the qwen model among the qwen phase's checks "
