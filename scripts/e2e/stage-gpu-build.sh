@@ -13,28 +13,18 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 target="${1:?usage: stage-gpu-build.sh TARGET [OUTDIR]}"
 out="$(realpath -m "${2:-$root/.device/gpu-build}")"
-py="${PREFILL_ACCEL_TOOL_PYTHON:-$root/.venv/bin/python}"
-[[ -x "$py" ]] || py=python3
+source "$root/scripts/e2e/stage-lib.sh"
 version="${STAGE_PYTHON:-3.12}"
 
-# The target's engine wheel for the device's Python (Target.wheel_for, from the cache build.sh fills, its
-# checksum checked) and gpu_constraints.
+# The target's engine wheel for the device's Python and its gpu_constraints.
 rm -rf "$out" && mkdir -p "$out/wheels" "$out/local"
-read_target='
-import sys
-from pathlib import Path
-from prefill_accel.tooling import registry
-from prefill_accel.tooling.targets import Targets
-root, name, constraints, python_tag = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
-target = Targets.load(root).resolve(name)
-constraints.write_text("".join(line + "\n" for line in target.gpu_constraints))
-print(registry.fetch_file(target.engine, *target.wheel_for(python_tag), root))
-'
-engine_wheel="$(PYTHONPATH="$root/kernels" "$py" -c "$read_target" "$root" "$target" "$out/constraints.txt" "cp${version/./}")"
+engine_wheel="$(target_file "$target" "wheel:cp${version/./}")"
 wheel="$(basename "$engine_wheel")"
 cp "$engine_wheel" "$out/local/"
+PYTHONPATH="$root/kernels" "$py" -c 'import sys; from pathlib import Path; from prefill_accel.tooling.targets import Targets
+print("".join(line + "\n" for line in Targets.load(Path(sys.argv[1])).resolve(sys.argv[2]).gpu_constraints), end="")' \
+  "$root" "$target" > "$out/constraints.txt"
 
-source "$root/scripts/e2e/stage-lib.sh"
 device_platform "$version"
 for name in ${SDIST_ONLY-pyairports}; do
   "$py" -m pip wheel -q --no-deps -w "$out/local" "$name"

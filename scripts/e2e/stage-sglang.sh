@@ -18,8 +18,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 out="$(realpath -m "${1:-$root/.device/sglang}")"
-py="${PREFILL_ACCEL_TOOL_PYTHON:-$root/.venv/bin/python}"
-[[ -x "$py" ]] || py=python3
+source "$root/scripts/e2e/stage-lib.sh"
 target=sglang-0.5.16
 requirements="$root/docker/requirements/$target-cpu.txt"
 image="$root/scripts/e2e/gpu-image-packages.txt"
@@ -31,16 +30,8 @@ SERVER_EXTRA="${SERVER_EXTRA-python-multipart interegular llguidance>=1.7.6,<2 o
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/bundle/wheels"
-source "$root/scripts/e2e/stage-lib.sh"
 
-engine_wheel="$(PYTHONPATH="$root/kernels" "$py" -c '
-import sys
-from pathlib import Path
-from prefill_accel.tooling import registry
-from prefill_accel.tooling.targets import Targets
-target = Targets.load(Path(sys.argv[1])).resolve(sys.argv[2])
-print(registry.fetch_file(target.engine, *target.wheel_for("cp312"), Path(sys.argv[1])))
-' "$root" "$target")"
+engine_wheel="$(target_file "$target" wheel:cp312)"
 cp "$engine_wheel" "$work/bundle/wheels/"
 
 device_platform 3.12

@@ -10,24 +10,13 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 target="${1:?usage: stage-verify-gpu.sh TARGET [OUTDIR]}"
 out="$(realpath -m "${2:-$root/.device/verify-gpu}")"
-py="${PREFILL_ACCEL_TOOL_PYTHON:-$root/.venv/bin/python}"
-[[ -x "$py" ]] || py=python3
+source "$root/scripts/e2e/stage-lib.sh"
 version="${STAGE_PYTHON:-3.12}"
 
 rm -rf "$out" && mkdir -p "$out/bundle/dist" "$out/bundle/wheels"
-# The target's source archive, from the cache `fetch` fills (its checksum checked).
-artifact="$(PYTHONPATH="$root/kernels" "$py" -c '
-import sys
-from pathlib import Path
-from prefill_accel.tooling import registry
-from prefill_accel.tooling.targets import Targets
-root = Path(sys.argv[1])
-target = Targets.load(root).resolve(sys.argv[2])
-print(registry.fetch_file(target.engine, target.artifact, target.artifact_sha256, root))
-' "$root" "$target")"
+artifact="$(target_file "$target" artifact)"
 cp "$artifact" "$out/bundle/dist/"
 
-source "$root/scripts/e2e/stage-lib.sh"
 device_platform "$version"
 "$py" -m pip download -q "${platform[@]}" -d "$out/bundle/wheels" pytest
 (cd "$out/bundle" && find . -type f ! -name SHA256SUMS -print0 | sort -z | xargs -0 sha256sum > SHA256SUMS)

@@ -18,12 +18,10 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 out="$(realpath -m "${1:-$root/.device/e2e}")"
 vllm_stage="$root/.device/vllm"
-py="${PREFILL_ACCEL_TOOL_PYTHON:-$root/.venv/bin/python}"
-[[ -x "$py" ]] || py=python3
+source "$root/scripts/e2e/stage-lib.sh"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/bundle/wheels"
-source "$root/scripts/e2e/stage-lib.sh"
 if [[ "${STAGE_VLLM:-1}" == 0 ]]; then
   # The models alone: the GPU image has torch and transformers; the GGUF reader is the one wheel it lacks.
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$work/bundle/wheels" gguf
