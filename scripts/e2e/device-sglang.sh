@@ -21,11 +21,7 @@ start_run "$run" "$root"
 
 staged_model qwen2.5-coder-1.5b smollm2
 if [[ ! -f "$site/.installed" ]]; then
-  echo "== waiting for the staged SGLang ($stage/complete)"
-  wait_for "$stage/complete"
-  rm -rf "$stage/bundle" && mkdir -p "$stage/bundle"
-  cat "$stage"/piece.* | tar xf - -C "$stage/bundle"
-  (cd "$stage/bundle" && sha256sum --quiet -c SHA256SUMS)
+  staged_bundle "$stage" SGLang
   rm -rf "$site" && python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$stage"/bundle/wheels/*.whl
   rm -rf "$patched" && mkdir -p "$patched" && cp -a "$site/sglang" "$patched/sglang"
   tar xf "$stage/bundle/sglang-patched.tar" -C "$patched"

@@ -1,5 +1,5 @@
-# Sourced by the device-side run scripts (device-v0.sh, device-sglang.sh): the run's folder and private
-# checkout, waiting for staged pieces, converting the staged model.
+# Sourced by the device-side run scripts (device-v0.sh, device-sglang.sh, device-verify-gpu.sh): the run's
+# folder and private checkout, waiting for staged pieces and unpacking them, converting the staged models.
 
 start_run() {  # DIR ROOT: DIR/out, DIR/logs and DIR/done (written on exit, with the status) for
   # device-wait.sh; the checkout ROOT copied to DIR/repo and entered, so a later device call that refreshes
@@ -18,6 +18,19 @@ wait_for() {  # FILE: wait for a staging call's complete-marker, at most STAGE_W
     (( $(date +%s) < deadline )) || { echo "no $1 after ${STAGE_WAIT:-1200} s" >&2; exit 1; }
     sleep 3
   done
+}
+
+staged_bundle() {  # DIR WHAT: DIR/bundle, the tar stream of the pieces a staging script made for WHAT,
+  # carried into DIR (awaited until a call writes DIR/complete), checked against its SHA256SUMS; unpacked
+  # once, whole or not at all
+  if [[ ! -f "$1/bundle/SHA256SUMS" ]]; then
+    echo "== waiting for the staged $2 ($1/complete)"
+    wait_for "$1/complete"
+    rm -rf "$1/bundle" "$1/bundle.part" && mkdir -p "$1/bundle.part"
+    cat "$1"/piece.* | tar xf - -C "$1/bundle.part"
+    mv "$1/bundle.part" "$1/bundle"
+  fi
+  (cd "$1/bundle" && sha256sum --quiet -c SHA256SUMS)
 }
 
 staged_model() {  # MODEL...: the converted checkpoints in $E2E_MODELS (default /tmp/hf), from the pieces of

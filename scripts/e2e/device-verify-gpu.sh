@@ -14,13 +14,7 @@ stage="${VERIFY_STAGE:-/tmp/verify-gpu}"
 work="${3:-$stage/work}"
 source "$root/scripts/e2e/device-staging.sh"
 
-if [[ ! -f "$stage/bundle/SHA256SUMS" ]]; then
-  echo "== waiting for the staged upstream sources and pytest ($stage/complete)"
-  wait_for "$stage/complete"
-  mkdir -p "$stage/bundle"
-  cat "$stage"/piece.* | tar xf - -C "$stage/bundle"
-fi
-(cd "$stage/bundle" && sha256sum --quiet -c SHA256SUMS)
+staged_bundle "$stage" "upstream sources and pytest"
 # The engine wheel is in the cache device-gpu-build.sh filled; the source archive joins it.
 export PREFILL_ACCEL_CACHE="${PREFILL_ACCEL_CACHE:-${STAGE_DIR:-/tmp/gpu-build}/cache}" PREFILL_ACCEL_FETCH=artifact
 mkdir -p "$PREFILL_ACCEL_CACHE/dist"
