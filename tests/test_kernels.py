@@ -78,9 +78,11 @@ def test_sparse_equals_masked_reference_under_own_index(page_size, dtype, heads)
 
 
 def force_splits(monkeypatch, capacity: int = 30, max_splits: int = 3) -> None:
-    """Split-KV made to happen at test sizes: ranges of one block and more, at most ``max_splits`` of
-    them (the last one ragged), as many program slots as it takes, ``capacity`` scratch slots."""
+    """Split-KV made to happen at test sizes: ranges of one block and more, rows over two of them
+    split, at most ``max_splits`` ranges a row (the last one ragged), as many program slots as it
+    takes, ``capacity`` scratch slots."""
     monkeypatch.setattr(launch, "MIN_SPLIT_BLOCKS", 1)
+    monkeypatch.setattr(launch, "SPLIT_OVER_RANGES", 2)
     monkeypatch.setattr(launch, "MAX_SPLITS", max_splits)
     monkeypatch.setattr(launch, "split_slots", lambda group, sms: (10**6, capacity))
 
@@ -132,21 +134,23 @@ def test_explicit_tile_matches_the_reference(monkeypatch, tile, split_kv):
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("over_ranges", [2, 3])
 @pytest.mark.parametrize("group, slots, capacity", [(1, 4096, 64), (6, 528, 192), (4, 2000, 5), (2, 3, 0)])
-def test_split_plan_matches_its_reference(group, slots, capacity):
+def test_split_plan_matches_its_reference(group, slots, capacity, over_ranges):
     """The GPU plan against the plain one: a row that keeps everything beside rows that keep a few,
     rows of one block, and scratch slots that run out (capacity 5 and 0)."""
     gen = torch.Generator().manual_seed(group * 1000 + capacity)
     counts = torch.randint(1, 40, (300, 3), generator=gen, dtype=torch.int32)
     counts[7, 1], counts[8] = 1000, 1
     counts = counts.to(DEVICE)
-    want = attention_reference.split_plan(counts, group, slots, capacity, min_blocks=4, max_splits=6)
+    want = attention_reference.split_plan(counts, group, slots, capacity, min_blocks=4, max_splits=6,
+                                         over_ranges=over_ranges)
     row_splits = torch.empty_like(counts)
     slot_row = torch.empty(capacity, dtype=torch.int32, device=DEVICE)
     slot_split = torch.empty(capacity, dtype=torch.int32, device=DEVICE)
     attention._plan_splits_kernel[(1,)](
         counts, row_splits, slot_row, slot_split, counts.numel(), capacity, slots,
-        GROUP=group, MIN_BLOCKS=4, MAX_SPLITS=6, CHUNK=128,
+        GROUP=group, MIN_BLOCKS=4, MAX_SPLITS=6, OVER_RANGES=over_ranges, CHUNK=128,
     )  # fmt: skip
     assert torch.equal(row_splits.cpu(), want[0])
     assert torch.equal(slot_row.cpu(), want[1])
@@ -201,9 +205,10 @@ def test_split_plan_is_made_for_launches_of_few_waves(monkeypatch, q_len, heads,
     ],
 )
 def test_split_plan_bounds_the_longest_walk_and_fits_its_scratch(q_len, k_len, heads, kv_heads, kept):
-    """On the H200 (132 multiprocessors), whatever the counts: no program walks much more than the
-    launch's work per program slot over SPLIT_BALANCE (or MIN_SPLIT_BLOCKS, or a row over
-    MAX_SPLITS), and the split rows fit the scratch, so none is left whole for want of slots."""
+    """On the H200 (132 multiprocessors), whatever the counts: no program walks more than
+    SPLIT_OVER_RANGES ranges of the launch's work per program slot over SPLIT_BALANCE (or of
+    MIN_SPLIT_BLOCKS, or a row over MAX_SPLITS), and the split rows fit the scratch, so none is left
+    whole for want of slots."""
     group = heads // kv_heads
     slots, capacity = launch.split_slots(group, sms=132)
     q_blocks, k_blocks = -(-q_len // 128), -(-k_len // 128)
@@ -212,15 +217,42 @@ def test_split_plan_bounds_the_longest_walk_and_fits_its_scratch(q_len, k_len, h
     counts = (position * share).clamp(min=1).to(torch.int32)
     counts[0] = position[0]  # one row of each head keeps everything
     row_splits, slot_row, _ = attention_reference.split_plan(
-        counts, group, slots, capacity, launch.MIN_SPLIT_BLOCKS, launch.MAX_SPLITS
+        counts, group, slots, capacity, launch.MIN_SPLIT_BLOCKS, launch.MAX_SPLITS, launch.SPLIT_OVER_RANGES
     )
     walks = (counts - 1).long()
     work_per_slot = int(walks.sum()) * group / (launch.PROGRAMS_PER_SM * 132)  # block walks per program slot
     per_split = max(math.ceil(work_per_slot / launch.SPLIT_BALANCE), launch.MIN_SPLIT_BLOCKS)
     longest = int((walks / row_splits).ceil().max())
-    assert longest <= max(2 * per_split, math.ceil(int(walks.max()) / launch.MAX_SPLITS))
-    assert torch.equal(row_splits > 1, walks > 2 * per_split), "every row longer than two ranges is split"
+    over = launch.SPLIT_OVER_RANGES * per_split
+    assert longest <= max(over, math.ceil(int(walks.max()) / launch.MAX_SPLITS))
+    assert torch.equal(row_splits > 1, walks > over), "every row longer than SPLIT_OVER_RANGES ranges is split"
     assert int((slot_row >= 0).sum()) <= capacity
+
+
+@pytest.mark.parametrize(
+    "k_len, kept, split",
+    [
+        (98304, 0.179, False),  # the dense last row 1.02 slots' shares long: split before, 9% slower on the GPU
+        (114688, 0.070, True),  # 2.4 shares: split, 1.2x faster
+        (131072, 0.020, True),  # 6.8 shares: split, 3.2x faster
+        (131008, 0.156, False),  # 1.13 shares: a real 128K prompt's last chunk (Qwen2.5-Coder-1.5B's density)
+    ],
+)
+def test_split_plan_splits_rows_that_outlast_the_launch(k_len, kept, split):
+    """A 16K-query chunk at 12 / 2 heads on 132 multiprocessors, every row keeping ``kept`` of its
+    blocks but the forced-dense last one: that row splits only when it walks well past a program
+    slot's share of the work (the cases and timings of docs/benchmarks.md, Split-KV by kept blocks)."""
+    group = 6
+    slots, capacity = launch.split_slots(group, sms=132)
+    q_blocks, k_blocks = 128, -(-k_len // 128)
+    position = torch.arange(k_blocks - q_blocks, k_blocks).view(-1, 1) + 1
+    counts = (position * kept).clamp(min=1).repeat(1, 2).to(torch.int32)
+    counts[-1] = k_blocks
+    row_splits, _, _ = attention_reference.split_plan(
+        counts, group, slots, capacity, launch.MIN_SPLIT_BLOCKS, launch.MAX_SPLITS, launch.SPLIT_OVER_RANGES
+    )
+    assert bool((row_splits[-1] > 1).all()) is split
+    assert int((row_splits[:-1] > 1).sum()) == 0
 
 
 def poison_rows_past_the_end(batch) -> None:

@@ -7,12 +7,15 @@ Baseline: ``vllm.vllm_flash_attn.flash_attn_varlen_func`` with the block table (
 upstream vLLM runs for that chunk. Ours: block search, attention over the kept blocks, and the whole
 call with and without a prebuilt layout. Inputs: structured random Q/K/V (see bench_kernels.py), or
 ``--real`` captures from the accuracy harness (``python -m prefill_accel.accuracy --capture``), whose
-density is the one a model produces. Needs vLLM on the path (run it under the patched site's path).
+density is the one a model produces. Needs vLLM on the path (run it under the patched site's path), unless
+``--baseline none`` leaves FA3 out (the GPU image without an engine: our stages alone).
 
 With ``--prefill`` every chunk of a whole chunked prefill is timed instead (chunk i: queries
 [i * chunk, (i + 1) * chunk) over keys [0, (i + 1) * chunk)) and the chunks summed: one layer's attention
 time in a prefill of that length, FA3 against ours (search and attention), the figure that explains a
-TTFT ratio; each chunk's own figures are in the row's ``chunks``.
+TTFT ratio; each chunk's own figures are in the row's ``chunks``. The attention is timed with split-KV
+and without it, from an idle GPU (the host launching as it goes) and queued behind a sleep (its GPU
+time alone, what it costs inside a forward pass, where the host runs ahead).
 
   python scripts/e2e/bench_chunk.py --lengths 32768,65536,131072 --chunk 16384 --out chunk.json
   python scripts/e2e/bench_chunk.py --prefill --heads 12 --kv-heads 2 --head-dim 128 --estimators mixed \
@@ -32,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "kernels"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_kernels import cuda_time, paged, queued_time, structured_qkv  # noqa: E402
+from bench_kernels import cuda_time, paged, queued_time, split_rows, structured_qkv  # noqa: E402
 from prefill_accel import (  # noqa: E402
     BatchLayout,
     SparsePrefillConfig,
@@ -97,14 +100,17 @@ def time_chunk(name: str, q, k_cache, v_cache, table, cu, seqlens, config, scale
     return row
 
 
-def time_prefill(name: str, q_full, k, v, chunk: int, page_size: int, config, scale, repeats: int) -> dict:
+def time_prefill(name: str, q_full, k, v, chunk: int, page_size: int, config, scale, repeats: int,
+                 baseline: bool = True) -> dict:
     """One layer's attention in a whole chunked prefill of ``k.shape[0]`` tokens: every chunk timed
-    (FA3; our search and attention with a prebuilt layout, as the engine calls them), summed."""
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
+    (FA3 unless not ``baseline``; our search and attention with a prebuilt layout, as the engine calls
+    them), summed."""
+    if baseline:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     length = k.shape[0]
     totals = {"fa3_ms": 0.0, "select_ms": 0.0, "select_gpu_ms": 0.0, "attention_ms": 0.0, "attention_unsplit_ms": 0.0,
-              "total_layout_ms": 0.0}
+              "attention_gpu_ms": 0.0, "attention_unsplit_gpu_ms": 0.0, "total_layout_ms": 0.0}
     kept = causal = 0
     chunks = []
     for end in range(chunk, length + chunk, chunk):
@@ -125,11 +131,14 @@ def time_prefill(name: str, q_full, k, v, chunk: int, page_size: int, config, sc
         attend = lambda: attention.block_sparse_attention(*args, layout, index, scale, False, out)  # noqa: B023, E731
         unsplit = lambda: attention.block_sparse_attention(*args, layout, index, scale, False, out, split_kv=False)  # noqa: B023, E731
         whole = lambda: sparse_prefill_attention(*args, config=config, softmax_scale=scale, out=out, layout=layout)  # noqa: B023, E731
-        # The search back to back from an idle GPU (the host launching as it goes) and queued behind a
-        # sleep (its GPU time alone: its cost inside a forward pass, where the host runs ahead).
-        times = {"fa3_ms": cuda_time(fa3, repeats), "select_ms": 0.0 if index is None else cuda_time(run_search, repeats),
+        # The search and the attention from an idle GPU (the host launching as it goes) and queued behind
+        # a sleep (their GPU time alone: their cost inside a forward pass, where the host runs ahead).
+        times = {"fa3_ms": cuda_time(fa3, repeats) if baseline else 0.0,
+                 "select_ms": 0.0 if index is None else cuda_time(run_search, repeats),
                  "select_gpu_ms": 0.0 if index is None else queued_time(run_search, repeats),
                  "attention_ms": cuda_time(attend, repeats), "attention_unsplit_ms": cuda_time(unsplit, repeats),
+                 "attention_gpu_ms": queued_time(attend, repeats),
+                 "attention_unsplit_gpu_ms": queued_time(unsplit, repeats),
                  "total_layout_ms": cuda_time(whole, repeats)}  # fmt: skip
         for stage, ms in times.items():
             totals[stage] += ms
@@ -137,12 +146,14 @@ def time_prefill(name: str, q_full, k, v, chunk: int, page_size: int, config, sc
         kept_here = blocks if index is None else int(index.counts.long().sum())
         kept, causal = kept + kept_here, causal + blocks
         chunks.append({"queries": q.shape[0], "keys": end, "sparse": index is not None,
-                       "density": kept_here / max(blocks, 1), **times})  # fmt: skip
+                       "density": kept_here / max(blocks, 1),
+                       "split_rows": 0 if index is None else split_rows(index, q.shape[1]), **times})  # fmt: skip
     row = {"input": name, "estimator": config.estimator, "length": length, "chunk": chunk, "heads": q_full.shape[1],
            "kv_heads": k.shape[1], "head_dim": q_full.shape[2], "density": kept / max(causal, 1), **totals}  # fmt: skip
-    row["search_share_of_fa3"] = totals["select_ms"] / totals["fa3_ms"]
-    row["search_gpu_share_of_fa3"] = totals["select_gpu_ms"] / totals["fa3_ms"]
-    row["speedup_vs_fa3"] = totals["fa3_ms"] / totals["total_layout_ms"]
+    fa3_ms = totals["fa3_ms"] or float("nan")  # nan without the baseline
+    row["search_share_of_fa3"] = totals["select_ms"] / fa3_ms
+    row["search_gpu_share_of_fa3"] = totals["select_gpu_ms"] / fa3_ms
+    row["speedup_vs_fa3"] = fa3_ms / totals["total_layout_ms"]
     row["chunks"] = chunks
     return row
 
@@ -159,18 +170,25 @@ def main() -> None:
     parser.add_argument("--estimators", default="pooled,exact", help="block-importance estimators to time")
     parser.add_argument("--real", nargs="*", default=[], help="captured q/k/v .pt files (accuracy harness)")
     parser.add_argument("--prefill", action="store_true", help="time every chunk of a whole prefill, summed")
+    parser.add_argument("--baseline", choices=("fa3", "none"), default="fa3",
+                        help="none: no FA3 (no vLLM needed; --prefill only), our stages alone")
+    parser.add_argument("--threshold", type=float, help="the config's threshold (default: SparsePrefillConfig's)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.baseline == "none" and not args.prefill:
+        parser.error("--baseline none needs --prefill")
 
     # The engine's default config: sequences whose chunk is below min_q_len stay dense there too.
-    configs = [SparsePrefillConfig(min_q_len=0 if not args.prefill else SparsePrefillConfig.min_q_len, estimator=name)
-               for name in args.estimators.split(",")]  # fmt: skip
+    fields = {} if args.threshold is None else {"threshold": args.threshold}
+    configs = [SparsePrefillConfig(min_q_len=0 if not args.prefill else SparsePrefillConfig.min_q_len, estimator=name,
+                                   **fields) for name in args.estimators.split(",")]  # fmt: skip
     rows = []
 
     def measure(name, q, k, v, scale):
         for config in configs:
             if args.prefill:
-                rows.append(time_prefill(name, q, k, v, args.chunk, args.page_size, config, scale, args.repeats))
+                rows.append(time_prefill(name, q, k, v, args.chunk, args.page_size, config, scale, args.repeats,
+                                         baseline=args.baseline == "fa3"))
             else:
                 chunk = min(args.chunk, q.shape[0] // 2) if name != "structured" else args.chunk
                 rows.append(time_chunk(name, *chunk_inputs(q, k, v, chunk, args.page_size), config, scale, args.repeats))
@@ -202,13 +220,15 @@ def main() -> None:
     for r in rows:
         print(f"| {cells(r)} | {r['speedup_vs_fa3']:.2f}x |")
     if args.prefill:
-        print("\n| input | length | chunk's queries x keys | sparse | density | FA3 ms | search ms (GPU) | attention ms "
-              "(unsplit) | ours ms | vs FA3 |\n" + "|---" * 10 + "|")  # fmt: skip
+        print("\n| input | length | chunk's queries x keys | sparse | density | split rows | FA3 ms | search ms (GPU) "
+              "| attention ms, split / unsplit | attention GPU ms, split / unsplit | ours ms | vs FA3 |\n"
+              + "|---" * 12 + "|")  # fmt: skip
         for r in rows:
             for c in r["chunks"]:
                 print(f"| {r['input']} | {r['length']} | {c['queries']} x {c['keys']} | {c['sparse']} | {c['density']:.3f} "
-                      f"| {c['fa3_ms']:.2f} | {c['select_ms']:.2f} ({c['select_gpu_ms']:.2f}) | {c['attention_ms']:.2f} ({c['attention_unsplit_ms']:.2f}) "
-                      f"| {c['total_layout_ms']:.2f} "
+                      f"| {c['split_rows']} | {c['fa3_ms']:.2f} | {c['select_ms']:.2f} ({c['select_gpu_ms']:.2f}) "
+                      f"| {c['attention_ms']:.2f} / {c['attention_unsplit_ms']:.2f} "
+                      f"| {c['attention_gpu_ms']:.2f} / {c['attention_unsplit_gpu_ms']:.2f} | {c['total_layout_ms']:.2f} "
                       f"| {c['fa3_ms'] / c['total_layout_ms']:.2f}x |")  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))

@@ -264,12 +264,13 @@ def _attention_kernel(
 @jit_per_batch("n_rows", "capacity", "slots")
 def _plan_splits_kernel(
     counts, row_splits, slot_row, slot_split, n_rows, capacity, slots,
-    GROUP: tl.constexpr, MIN_BLOCKS: tl.constexpr, MAX_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+    GROUP: tl.constexpr, MIN_BLOCKS: tl.constexpr, MAX_SPLITS: tl.constexpr, OVER_RANGES: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):  # fmt: skip
     """One program: how many key ranges each row (query block, KV head) of ``counts`` walks in, and
     which scratch slots hold their partials. A range holds the launch's kept blocks x GROUP (the
     row's heads each walk it) over ``slots`` program slots, at least MIN_BLOCKS; a row splits only
-    when its walk exceeds two ranges, and rows past ``capacity`` slots stay whole. Writes ``row_splits`` per row, and per slot its row (-1 where
+    when its walk exceeds OVER_RANGES ranges, and rows past ``capacity`` slots stay whole. Writes ``row_splits`` per row, and per slot its row (-1 where
     unused) and range: a split row's ranges take consecutive slots, in row order."""
     total = 0
     for start in range(0, n_rows, CHUNK):
@@ -285,7 +286,7 @@ def _plan_splits_kernel(
         rows = start + tl.arange(0, CHUNK)
         valid = rows < n_rows
         walk = tl.load(counts + rows, mask=valid, other=1) - 1
-        splits = tl.where(walk > 2 * per_split, tl.minimum(tl.cdiv(walk, per_split), MAX_SPLITS), 1)
+        splits = tl.where(walk > OVER_RANGES * per_split, tl.minimum(tl.cdiv(walk, per_split), MAX_SPLITS), 1)
         held = tl.where(valid & (splits > 1), splits, 0)
         end = used + tl.cumsum(held, 0)
         first = end - held
@@ -373,7 +374,8 @@ def _plan_splits(counts: torch.Tensor, block: int, group: int, head_dim: int) ->
     )
     _plan_splits_kernel[(1,)](
         counts, plan.row_splits, plan.slot_row, plan.slot_split, counts.numel(), capacity, slots,
-        GROUP=group, MIN_BLOCKS=launch.MIN_SPLIT_BLOCKS, MAX_SPLITS=launch.MAX_SPLITS, CHUNK=1024, num_warps=4,
+        GROUP=group, MIN_BLOCKS=launch.MIN_SPLIT_BLOCKS, MAX_SPLITS=launch.MAX_SPLITS,
+        OVER_RANGES=launch.SPLIT_OVER_RANGES, CHUNK=1024, num_warps=4,
     )  # fmt: skip
     return plan
 

@@ -120,10 +120,11 @@ def block_masked_attention(
     return out, lse
 
 
-def split_plan(counts: torch.Tensor, group: int, slots: int, capacity: int, min_blocks: int, max_splits: int):
+def split_plan(counts: torch.Tensor, group: int, slots: int, capacity: int, min_blocks: int, max_splits: int,
+               over_ranges: int):
     """The split-KV plan of a sparse launch (attention._plan_splits_kernel) from its kept-block counts
     (total_q_blocks, num_kv_heads): a row whose walk over its kept blocks before the diagonal is
-    longer than two ranges of ``max(ceil(walked * group / slots), min_blocks)`` blocks walks them in
+    longer than ``over_ranges`` ranges of ``max(ceil(walked * group / slots), min_blocks)`` blocks walks them in
     such ranges, at most ``max_splits`` of them, and
     a row of several ranges takes that many consecutive scratch slots, in row order, while they last.
     Returns per row its ranges, and per slot its row (-1 where unused) and range."""
@@ -133,7 +134,7 @@ def split_plan(counts: torch.Tensor, group: int, slots: int, capacity: int, min_
     slot_row, slot_split = [-1] * capacity, [0] * capacity
     used = 0
     for row, walk in enumerate(walks.tolist()):
-        splits = min(-(-walk // per_split), max_splits) if walk > 2 * per_split else 1
+        splits = min(-(-walk // per_split), max_splits) if walk > over_ranges * per_split else 1
         if splits > 1 and used + splits <= capacity:
             row_splits.append(splits)
             slot_row[used : used + splits] = [row] * splits

@@ -16,9 +16,14 @@ from .common import INTERPRET, TENSOR_DESCRIPTORS, TMA_NEEDS_TRITON, TRITON_VERS
 # MIN_SPLIT_BLOCKS key blocks (2K keys at block 128, enough to pay for its share of the merge), at
 # most MAX_SPLITS of them. SPLIT_BALANCE: a range is 1/SPLIT_BALANCE of the launch's work per program
 # slot, PROGRAMS_PER_SM slots per multiprocessor (two of the default 128 x 64 tiles fit).
+# SPLIT_OVER_RANGES: a row splits only when its walk exceeds this many ranges (1.5 slots' fair share):
+# the ranges' launch runs before the rest with the GPU mostly idle for about one range, so a row only
+# a little longer than a slot's share loses that and gains less (docs/benchmarks.md, Split-KV by
+# kept blocks: by the GPU's own time, 9% slower split at about one share, 1.2-3.2x faster from 2.4).
 MIN_SPLIT_BLOCKS = 16
 MAX_SPLITS = 16
 SPLIT_BALANCE = 2
+SPLIT_OVER_RANGES = 3
 PROGRAMS_PER_SM = 2
 MERGE_BLOCK_M = 64  # query rows per program of the merge; divides every supported block size
 # PREFILL_ACCEL_SPLIT_KV=0 leaves every row of a sparse launch to one program (to compare).
@@ -143,8 +148,8 @@ def split_slots(group: int, sms: int) -> tuple[int, int]:
     """Program slots the split plan spreads a sparse launch over on ``sms`` multiprocessors
     (SPLIT_BALANCE per program that runs at once, so a range is half a program's fair share of the
     work), and the scratch slots it may fill with partial results (one query block of a KV group's
-    heads each). A row splits only when its walk exceeds two ranges, so the split rows hold at most
-    their walks over a range plus one slot each, together under ``2 * slots / group``
+    heads each). A row splits only when its walk exceeds SPLIT_OVER_RANGES (at least two) ranges, so
+    the split rows hold at most their walks over a range plus one slot each, together under ``2 * slots / group``
     (docs/kernels.md, Split-KV by kept blocks)."""
     slots = SPLIT_BALANCE * PROGRAMS_PER_SM * sms
     return slots, -(-2 * slots // group) + MAX_SPLITS
