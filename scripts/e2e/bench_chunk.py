@@ -229,7 +229,7 @@ def main() -> None:
                       f"| {c['split_rows']} | {c['fa3_ms']:.2f} | {c['select_ms']:.2f} ({c['select_gpu_ms']:.2f}) "
                       f"| {c['attention_ms']:.2f} / {c['attention_unsplit_ms']:.2f} "
                       f"| {c['attention_gpu_ms']:.2f} / {c['attention_unsplit_gpu_ms']:.2f} | {c['total_layout_ms']:.2f} "
-                      f"| {c['fa3_ms'] / c['total_layout_ms']:.2f}x |")  # fmt: skip
+                      f"| {(c['fa3_ms'] or float('nan')) / c['total_layout_ms']:.2f}x |")  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 
