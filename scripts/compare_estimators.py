@@ -9,7 +9,9 @@ oracle, both at the achieved recall row by row (as the harness reports) and at `
 
 Estimators: the kernels' pooled keys (every `--query-stride`-th query row against each block's mean key,
 as `select_blocks` does), their key bounds (the same rows against the upper bound of their logits over
-each block's keys, from the elementwise largest and smallest key), and exact scores of a few query rows per block against every key (`exact-N`:
+each block's keys, from the elementwise largest and smallest key), Gaussian keys (not in the kernels: the pooled
+estimate with each block's keys taken as independent Gaussians per dimension, which adds the block's key
+variance along the row), and exact scores of a few query rows per block against every key (`exact-N`:
 N evenly spaced rows, the block's last row among them).
 
   python scripts/compare_estimators.py CAPTURES/smollm2_L8192_layer*.pt
@@ -65,6 +67,22 @@ def bound_estimate(q, k, block: int, scale: float, stride: int) -> torch.Tensor:
     q- . min key in place of q . mean key."""
     max_k, min_k, sizes = search_reference.bounding_blocks(k.float(), block)
     estimate = lambda rows, n: search_reference.bound_estimate(rows, max_k[:n], min_k[:n], sizes[:n], scale)  # noqa: E731
+    return _per_query_block(q, k.shape[1], block, stride, block, estimate)
+
+
+def gaussian_estimate(q, k, block: int, scale: float, stride: int) -> torch.Tensor:
+    """(nb, Hkv, nb): the pooled estimate with each block's keys taken as independent Gaussians per dimension
+    (its mean key, its elementwise variance): a row's logit for a block is the log of the expected sum of
+    exp over the block's keys, scale q . mean_key + scale^2 / 2 sum_d q_d^2 var_d + ln n."""
+    mean_k, sizes = search_reference.pooled_blocks(k.float(), block)
+    mean_sq, _ = search_reference.pooled_blocks(k.float() ** 2, block)
+    var_k = (mean_sq - mean_k**2).clamp(min=0)
+
+    def estimate(rows, n):
+        logits = torch.einsum("rhgd,jhd->hrgj", rows, mean_k[:n]) * scale
+        logits = logits + torch.einsum("rhgd,jhd->hrgj", rows * rows, var_k[:n]) * (scale * scale / 2)
+        return torch.softmax(logits + torch.log(sizes[:n]), dim=-1).mean(dim=(1, 2))
+
     return _per_query_block(q, k.shape[1], block, stride, block, estimate)
 
 
@@ -128,6 +146,8 @@ def main() -> int:
         estimates = {
             f"pooled keys, stride {args.query_stride}": pooled_estimate(q, k, args.block_size, scale, args.query_stride),
             f"key bounds, stride {args.query_stride}": bound_estimate(q, k, args.block_size, scale, args.query_stride),
+            f"Gaussian keys, stride {args.query_stride}": gaussian_estimate(q, k, args.block_size, scale,
+                                                                          args.query_stride),
         }
         for pair in filter(None, args.pooled.split(",")):
             stride, pool = (int(x) for x in pair.split(":"))

@@ -32,7 +32,8 @@ def needle_qk(length=2048, dim=32, seed=0):
 def test_estimates_are_shares_of_each_rows_causal_blocks():
     q, k = needle_qk()
     estimates = (compare.pooled_estimate(q, k, 64, 0.2, 4), compare.bound_estimate(q, k, 64, 0.2, 4),
-                 compare.exact_estimate(q, k, 64, 0.2, 2), compare.pooled_estimate(q, k, 64, 0.2, 4, pool=16))  # fmt: skip
+                 compare.exact_estimate(q, k, 64, 0.2, 2), compare.pooled_estimate(q, k, 64, 0.2, 4, pool=16),
+                 compare.gaussian_estimate(q, k, 64, 0.2, 4))  # fmt: skip
     for est in estimates:
         nb = est.shape[0]
         assert torch.allclose(est.sum(-1), torch.ones(nb, 1), atol=1e-4)
@@ -54,3 +55,15 @@ def test_exact_rows_and_key_bounds_find_the_tokens_the_pooled_keys_wash_out():
         ratios["bound"].append(bound["density"] / pooled["density"])
     for name, values in ratios.items():
         assert max(values) < 1.0 and sum(values) / len(values) < 0.8, (name, values)
+
+
+def test_gaussian_keys_favour_the_block_whose_keys_spread_and_equal_pooled_keys_where_none_does():
+    """Two key blocks with one mean key: the one whose keys spread holds more of exp's sum, and the Gaussian
+    estimate says so by exp(scale^2 / 2 q^2 var); with constant blocks it is the pooled estimate."""
+    q = torch.ones(128, 1, 4)
+    k = torch.zeros(128, 1, 4)
+    k[64:, 0, 0] = torch.tensor([1.0, -1.0]).repeat(32)  # block 1: variance 1 along dimension 0
+    gaussian, pooled = compare.gaussian_estimate(q, k, 64, 1.0, 4), compare.pooled_estimate(q, k, 64, 1.0, 4)
+    assert torch.allclose(gaussian[0], pooled[0])
+    assert torch.allclose(gaussian[1, 0], torch.softmax(torch.tensor([0.0, 0.5]), 0), atol=1e-6)
+    assert torch.allclose(pooled[1, 0], torch.tensor([0.5, 0.5]), atol=1e-6)
