@@ -168,8 +168,9 @@ def test_an_sglang_server_gets_the_engine_fields_as_flags_and_sglang_defaults_wi
     defaults, _ = driver.sglang_server(driver.QWEN, 8103, [])
     assert "--chunked-prefill-size" not in defaults and "--prefill-attention-backend" not in defaults
     mixed, _ = driver.sglang_server(driver.QWEN, 8104, driver.mixed_flags("SPARSE_PREFILL", 20.0))
-    assert mixed[-4:] == ["--max-consecutive-prefill-batches", "2", "--schedule-policy", "srpf"]
-    assert "--max-step-latency-ms" not in mixed and "sparse_prefill" in mixed
+    assert mixed[-6:] == ["--max-consecutive-prefill-batches", "2", "--schedule-policy", "srpf",
+                          "--max-step-latency-ms", "20.0"]  # fmt: skip
+    assert "sparse_prefill" in mixed
 
 
 def test_the_sglang_phase_runs_alone(driver, monkeypatch):

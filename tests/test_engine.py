@@ -21,6 +21,7 @@ from prefill_accel.flags import HELP, SUFFIXES, settings_from_flags
 from prefill_accel.layout import BatchLayout
 from prefill_accel.runs import split_long_prefills
 from prefill_accel.scheduling.prefills import Chunk
+from prefill_accel.scheduling.step_time import attention_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -363,6 +364,55 @@ def test_the_planner_times_each_step_from_its_start_to_its_output():
     assert plan.time.model.decode_seconds(1, 101) == pytest.approx(0.002, rel=1e-3)
     plan.observe(object())  # an unknown step is nobody's: nothing fitted
     assert plan.time.model.decodes.count == 3
+
+
+def fitted(plan: StepPlanner) -> StepPlanner:
+    """The planner's model fed decode steps (2 ms + 0.1 ms per decode) and prefill-only steps of fresh
+    chunks (1 ms more + 5 us per token)."""
+    for step in range(60):
+        n, q = 1 + step % 48, 256 * (1 + step % 16)
+        plan.time.model.observe(2e-3 + 1e-4 * n, decode_tokens=n, decode_pairs=n)
+        plan.time.model.observe(3e-3 + 5e-6 * q, prefill_tokens=q, prefill_pairs=attention_pairs(0, q))
+    return plan
+
+
+def test_a_prefill_batch_that_runs_instead_of_the_decodes_is_timed_for_them_without_their_cost():
+    """SGLang runs a prefill batch instead of the decodes (decodes_in_step off): while decodes wait the batch
+    is timed, but its budget and time are its own; a document's next chunk alone is not timed."""
+    decodes = [Scheduled(context=0, tokens=1, prefill=False)] * 48
+    document = Chunk(90000, context=8192)
+    riding = fitted(planner(target_ms=20.0))
+    apart = fitted(planner(PlannerOptions(bound_tokens=False, decodes_in_step=False), target_ms=20.0))
+    assert riding.begin_step(decodes, [document], [], token_budget=8192) == 8192 - 48
+    assert apart.begin_step(decodes, [document], [], token_budget=8192) == 8192
+    model = apart.time.model
+    with_decodes = model.max_chunk(20e-3 - model.decode_seconds(48, 48) - model.prefill_step_seconds, 8192)
+    alone = model.max_chunk(20e-3 - model.decode_seconds(0, 0) - model.prefill_step_seconds, 8192)
+    assert riding.cap(document, 8192) == with_decodes and apart.cap(document, 8192) == alone
+    assert with_decodes < 0.8 * alone < 8192  # 48 decodes of 0.1 ms each leave the batch 4.8 ms less
+    apart.begin_step([], [document], [], token_budget=8192)
+    assert apart.cap(document, 8192) == 8192  # nobody waits for it
+
+
+def test_with_time_for_waiting_a_chat_beside_a_chunk_times_the_batch():
+    """Under time_for_waiting a request waiting beside a partial prefill is someone the batch keeps waiting
+    (SGLang under srpf: it joins the chunk's batch whole): the batch is timed though nothing decodes, the
+    chat charged its own cost first and the chunk given the rest; a lone prefill is not timed."""
+    options = PlannerOptions(bound_tokens=False, decodes_in_step=False, time_for_waiting=True)
+    document, chat = Chunk(90000, context=8192), Chunk(300)
+    plan = fitted(planner(options, target_ms=20.0))
+    plan.begin_step([], [document], (c for c in [chat]), token_budget=8192)
+    assert plan.cap(chat, 300) == 300
+    plan.consume(chat, 300, admitted=True)
+    model = plan.time.model
+    left = 20e-3 - model.decode_seconds(0, 0) - model.prefill_step_seconds - model.chunk_seconds(300, 0)
+    assert plan.cap(document, 8192 - 300) == model.max_chunk(left, 8192) < 4000
+    for prefilling, waiting in (([document], []), ([], [Chunk(90000)])):
+        plan.begin_step([], prefilling, iter(waiting), token_budget=8192)
+        assert not plan.timed
+    default = fitted(planner(PlannerOptions(bound_tokens=False, decodes_in_step=False), target_ms=20.0))
+    default.begin_step([], [document], [chat], token_budget=8192)
+    assert not default.timed  # vLLM's targets time only steps that carry decodes
 
 
 def test_srpf_keys_order_by_aged_remaining_then_arrival_and_priority_first():

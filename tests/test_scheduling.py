@@ -3,7 +3,7 @@
 import pytest
 
 from prefill_accel.scheduling.prefills import Chunk, PartialPrefills, aged_remaining, water_level, whole_beside
-from prefill_accel.scheduling.step_budget import STARVATION_STEPS, PrefillTime
+from prefill_accel.scheduling.step_budget import STARVATION_STEPS, PrefillTime, check_target
 from prefill_accel.scheduling.step_time import StepTimeModel, attention_pairs
 
 MAX_MODEL_LEN = 131072
@@ -109,6 +109,27 @@ def test_before_any_prefill_step_is_timed_a_chunk_is_a_probe():
         observe(budget.model, decodes=3, chunk=granted[-1])
     assert granted[0] == 16
     assert granted == sorted(granted) and granted[-1] == pytest.approx((5.5e-3 - step_seconds(3) - P0) / C1, rel=0.05)
+
+
+def test_a_step_without_decodes_is_timed_while_others_wait_for_it():
+    """Prefills are timed while someone outside them waits: decodes in the step, or (an engine that runs
+    a prefill batch instead of the decodes, or whose waiting requests join a chunk's batch) others named
+    by the caller; nobody waiting, they are not."""
+    budget = fitted_budget(20.0)
+    budget.start(decode_tokens=0, decode_pairs=0)
+    assert budget.seconds_left is None and budget.limit_tokens(40000, 8192) == 8192
+    budget.start(decode_tokens=0, decode_pairs=0, others_waiting=True)
+    assert budget.seconds_left == pytest.approx(20e-3 - budget.model.decode_seconds(0, 0))
+    assert 0 < budget.limit_tokens(40000, 8192) < 8192
+
+
+@pytest.mark.parametrize("target_ms", [0, -5.0])
+def test_a_target_that_is_not_a_positive_time_is_refused_naming_the_flag(target_ms):
+    with pytest.raises(ValueError, match="--max-step-latency-ms must be a positive number of milliseconds"):
+        check_target(target_ms)
+    with pytest.raises(ValueError, match="--max-step-latency-ms"):
+        PrefillTime(target_ms, token_scale=8192, max_model_len=MAX_MODEL_LEN, min_prefill_tokens=16)
+    check_target(None)
 
 
 def test_attention_pairs_of_a_chunk_after_a_prefix():

@@ -895,9 +895,10 @@ def mixed_stage(results: dict, gpus: str, tok, corpus: Corpus, model: Path, args
     if target is None:
         with serving("mixed-upstream", "upstream", gpus, model, 8103, []) as upstream:
             table["upstream defaults"] = run_mixed(upstream, prompts, args)
-        # The step-latency target comes from upstream's unloaded decode latency (its p99, the figure
-        # the target bounds), as an operator would set it.
-        target = max(round(1.3 * table["upstream defaults"]["unloaded"]["itl_p99_ms"], 1), 4.0)
+        # On vLLM the step-latency target comes from upstream's unloaded decode latency (its p99, the
+        # figure the target bounds), as an operator would set it; SGLang's is fixed (SGLANG_STEP_TARGET_MS).
+        target = SGLANG_STEP_TARGET_MS if ENGINE == "sglang" else max(
+            round(1.3 * table["upstream defaults"]["unloaded"]["itl_p99_ms"], 1), 4.0)
         if engine_args:  # what the engine arguments alone do, apart from the scheduler flags
             with serving("mixed-upstream-args", "upstream", gpus, model, 8102, engine_args) as upstream:
                 table["upstream, " + " ".join(engine_args)] = run_mixed(upstream, prompts, args)
@@ -917,13 +918,22 @@ def mixed_stage(results: dict, gpus: str, tok, corpus: Corpus, model: Path, args
                              "seconds": args.mixed_seconds, "short_max_tokens": 48, "configs": table}  # fmt: skip
 
 
+# SGLang's prefill batches run instead of the decodes and hold the chats that join a chunk's batch, so
+# its target is set for the short requests' TTFT (<= 3x unloaded): a chat waits for at most the batch
+# running when it arrives and the one it joins, so 3x of run 2's ~15 ms unloaded TTFT p99 needs batches
+# of about 15 ms; 20 ms leaves the document's late chunks room for reading ~98K tokens of context, a
+# cost a batch must hold or the chunk waits while decodes run (docs/sglang-0.5.md, Scheduler).
+SGLANG_STEP_TARGET_MS = 20.0
+
+
 def mixed_flags(backend: str, target_ms: float) -> list[str]:
     """The patched mixed-load server's flags: the scheduler's, with ``--attention-backend backend``
-    ('default' leaves vLLM's choice). SGLang's scheduler flags have no step-time target: decode protection
-    every 2 prefill batches and shortest-remaining-prefill-first."""
+    ('default' leaves vLLM's choice). On SGLang: decode protection every 2 prefill batches,
+    shortest-remaining-prefill-first and the step-time target."""
     chosen = [] if backend == "default" else ["--attention-backend", backend]
     if ENGINE == "sglang":
-        return [*chosen, "--max-consecutive-prefill-batches", "2", "--schedule-policy", "srpf"]
+        return [*chosen, "--max-consecutive-prefill-batches", "2", "--schedule-policy", "srpf",
+                "--max-step-latency-ms", str(target_ms)]  # fmt: skip
     return [*chosen, "--max-num-partial-prefills", "4", "--max-long-partial-prefills", "1",
             "--long-prefill-token-threshold", "4096", "--prefill-order", "srpf",
             "--max-step-latency-ms", str(target_ms)]  # fmt: skip
@@ -1357,7 +1367,8 @@ def main() -> None:
     parser.add_argument("--mixed-rate", type=float, default=4.0, help="short chats per second")
     parser.add_argument("--mixed-seconds", type=float, default=20.0)
     parser.add_argument("--mixed-target-ms", type=float, help="--max-step-latency-ms of the patched mixed-load "
-                        "server; given, the upstream server is not run (default: 1.3x its unloaded ITL p99)")
+                        "server; given, the upstream server is not run (default: on vLLM 1.3x upstream's unloaded "
+                        "ITL p99, on SGLang SGLANG_STEP_TARGET_MS, 20)")
     parser.add_argument("--mixed-backends", default="SPARSE_PREFILL", help="comma-separated --attention-backend "
                         "values, one patched mixed-load server each, in this order, same scheduler flags; "
                         "'default' leaves vLLM's choice (the scheduler flags alone)")

@@ -51,7 +51,7 @@ SCHEDULER_FLAGS = {
     "vllm-0.6.3.post1": ["--max-num-partial-prefills", "--max-long-partial-prefills",
                          "--long-prefill-token-threshold", "--prefill-order", "--prefill-aging-s",
                          "--max-step-latency-ms"],
-    "sglang-0.5.16": ["--max-consecutive-prefill-batches", "--schedule-policy"],
+    "sglang-0.5.16": ["--max-consecutive-prefill-batches", "--schedule-policy", "--max-step-latency-ms"],
 }
 # On the stand-in, what takes the place of the GPU the documented run line expects: the engine's own CPU
 # device flag (vLLM 0.26.0 needs none: the stand-in's platform plugin resolves its CPU platform).

@@ -13,6 +13,7 @@ What differs between engines is said by PlannerOptions, not by subclasses.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -50,6 +51,15 @@ class PlannerOptions:
     """A chunk whose context read alone does not fit the step's time gets nothing; False gives it
     ``min_prefill_tokens`` instead (vLLM V0's running loop stops at the first group given none, which
     would hold back every decode behind it)."""
+    decodes_in_step: bool = True
+    """The running decodes run in the step that carries the prefill chunks (vLLM; SGLang's mixed chunks):
+    their tokens and predicted time come off the step's. False where a prefill batch runs instead of the
+    decodes (SGLang, prefill first): they wait for it, so it is timed while they run, but its time and
+    tokens are its prefills' alone."""
+    time_for_waiting: bool = False
+    """Prefills are also timed while nothing decodes but more than one prefill wants the step: where a
+    waiting request joins a partial prefill's batch whole and gets its first token only when that batch
+    ends (SGLang under srpf), the batch is what it waits for."""
 
 
 class StepPlanner:
@@ -73,20 +83,31 @@ class StepPlanner:
 
     @property
     def timed(self) -> bool:
-        """Whether this step's prefills are sized to the latency target (a target, decodes, a fitted model)."""
+        """Whether this step's prefills are sized to the latency target (a target, someone waiting for the
+        step, a fitted model)."""
         return self.time.seconds_left is not None
 
     def begin_step(self, decodes: Iterable[Scheduled], prefilling: list[Chunk], waiting: Iterable[Chunk],
                    token_budget: int) -> int:  # fmt: skip
         """Start a step of ``token_budget`` tokens: the decodes are served first, so the prefills get the
-        rest, returned; with a target their time is what the decodes leave, and with the limits on both
-        are shared max-min fairly over the prefills expected this step."""
+        rest, returned; with a target their time is what the decodes leave (while decodes run, or with
+        ``time_for_waiting`` while other prefills wait), and with the limits on both are shared max-min
+        fairly over the prefills expected this step. Decodes not in the step (``decodes_in_step`` off)
+        leave it all its tokens and time, but it is timed while they wait."""
         self._step_start = self.clock()
         decode_tokens = decode_pairs = 0
         for decode in decodes:
             decode_tokens += decode.tokens
             decode_pairs += attention_pairs(decode.context, decode.tokens)
-        self.time.start(decode_tokens, decode_pairs)
+        others_waiting = bool(decode_tokens)
+        if self.options.time_for_waiting and not others_waiting:
+            waiting = iter(waiting)
+            first = list(itertools.islice(waiting, max(2 - len(prefilling), 0)))
+            others_waiting = len(prefilling) + len(first) > 1
+            waiting = itertools.chain(first, waiting)
+        if not self.options.decodes_in_step:
+            decode_tokens = decode_pairs = 0
+        self.time.start(decode_tokens, decode_pairs, others_waiting)
         self._tokens_left = max(token_budget - decode_tokens, 0)
         self._level = self._seconds_level = None
         if self.limits.enabled:

@@ -20,6 +20,16 @@ STARVATION_STEPS = 128
 logger = logging.getLogger("prefill_accel.scheduling")  # the package's one logger
 # PREFILL_ACCEL_BUDGET_STATS=N: every N timed steps, one INFO line on how the target capped prefills.
 BUDGET_STATS_ENV = "PREFILL_ACCEL_BUDGET_STATS"
+TARGET_FLAG = "--max-step-latency-ms"
+
+
+def check_target(max_step_latency_ms: float | None, flag: str = TARGET_FLAG) -> None:
+    """Refuse a step latency target that is not a positive number of milliseconds (None: no target)."""
+    if max_step_latency_ms is not None and not max_step_latency_ms > 0:
+        raise ValueError(
+            f"{flag} must be a positive number of milliseconds (the wall time a step that others wait for "
+            f"should stay within), got {max_step_latency_ms}; leave it unset for no target"
+        )
 
 
 class PrefillTime:
@@ -40,6 +50,7 @@ class PrefillTime:
 
     def __init__(self, max_step_latency_ms: float | None, token_scale: int, max_model_len: int,
                  min_prefill_tokens: int) -> None:
+        check_target(max_step_latency_ms)
         self.target_s = None if max_step_latency_ms is None else max_step_latency_ms / 1e3
         self.min_prefill_tokens = min_prefill_tokens
         self.model = StepTimeModel(token_scale=token_scale, pair_scale=float(token_scale) * max_model_len)
@@ -52,14 +63,16 @@ class PrefillTime:
         self._warned = False
         self.stats = BudgetStats.from_env()
 
-    def start(self, decode_tokens: int, decode_pairs: int) -> None:
+    def start(self, decode_tokens: int, decode_pairs: int, others_waiting: bool = False) -> None:
         """A new step carrying these decodes: with a target and a fitted model, prefills get the time
-        the decodes leave within it; without decodes (nobody's latency at stake) they are not timed."""
+        the decodes leave within it. Without decodes in the step they are timed only when
+        ``others_waiting`` (requests outside the step wait for it to end: decodes that a prefill batch
+        runs instead of, prefills queued behind its chunk); else nobody's latency is at stake."""
         self._starved_steps = self._starved_steps + 1 if self._refused and not self._prefill_granted else 0
         self.seconds_left = None
         self._prefill_granted = 0
         self._refused = False
-        if self.target_s is None or not decode_tokens or not self.model.ready:
+        if self.target_s is None or not (decode_tokens or others_waiting) or not self.model.ready:
             return
         self.seconds_left = self.target_s - self.model.decode_seconds(decode_tokens, decode_pairs)
         self.stats.step(self.seconds_left, self.model)

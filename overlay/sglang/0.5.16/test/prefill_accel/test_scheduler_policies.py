@@ -22,6 +22,7 @@ from sglang.srt.managers.decode_protection import PrefillStreak
 from sglang.srt.managers.schedule_batch import NextBatchPlan, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.managers.step_latency import StepLatency
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -209,8 +210,9 @@ def chunk_batch(policy: str, waiting: list, srpf_first: bool = True, max_request
     allocator = SimpleNamespace(available_size=lambda: 1 << 20)
     adder = PrefillAdder(1, tree_cache, allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 1024)
     document.init_next_round_input()
+    no_target = StepLatency(None, 1024, 1, 131072, mixed_chunk=False, srpf=policy == "srpf")
     unfinished, ahead = srpf_order.add_chunk_after_shorter(adder, schedule_policy, queue, document, tree_cache,
-                                                           max_requests, None, srpf_first)  # fmt: skip
+                                                           max_requests, None, srpf_first, no_target)  # fmt: skip
     assert unfinished is document
     for req in [r for r in queue if r not in ahead]:
         req.init_next_round_input(tree_cache)
@@ -249,6 +251,7 @@ def scheduler_rounds(max_consecutive, rounds):
 
     scheduler = SimpleNamespace(
         prefill_streak=PrefillStreak(max_consecutive), get_new_batch_prefill=next_chunk,
+        step_latency=StepLatency(None, 16384, 1, 131072, mixed_chunk=False, srpf=False), waiting_queue=[],
         update_running_batch=decode, process_pending_chunked_abort=lambda: None, enable_fpm=False,
         _abort_on_waiting_timeout=lambda: None, _abort_on_running_timeout=lambda batch: None,
         dllm_config=None, chunked_req=None, enable_hisparse=False, require_mlp_sync=False,

@@ -58,12 +58,15 @@ def sort_by_remaining_prefill(
 
 
 def add_chunk_after_shorter(adder, policy, waiting_queue: List, chunked_req, tree_cache, max_requests: int,
-                            truncation_align_size: Optional[int], srpf_first: bool) -> Tuple[Optional[object], List]:  # fmt: skip
+                            truncation_align_size: Optional[int], srpf_first: bool,
+                            step_latency) -> Tuple[Optional[object], List]:  # fmt: skip
     """The chunked request's next chunk in a prefill batch (PrefillAdder.add_chunked_req): under srpf,
     with ``srpf_first`` (the scheduler's features allow it), after the waiting requests whose key precedes
     the chunked request's and that go beside it whole at its fair share, at most ``max_requests`` in the
-    batch; otherwise first and alone, as SGLang does. The queue is in srpf order already. Returns what
-    add_chunked_req returns (the request while unfinished) and the requests admitted before it."""
+    batch; otherwise first and alone, as SGLang does. The queue is in srpf order already. Every request goes
+    in through ``step_latency`` (step_latency.StepLatency: under --max-step-latency-ms each is also charged
+    its time, and the chunk gets the time left). Returns what add_chunked_req returns (the request while
+    unfinished) and the requests admitted before it."""
     from sglang.srt.managers.schedule_policy import AddReqResult, CacheAgnosticPolicy  # it imports this module
 
     ahead = []
@@ -83,9 +86,10 @@ def add_chunk_after_shorter(adder, policy, waiting_queue: List, chunked_req, tre
             candidates.append(req)
         demands = [len(req.full_untruncated_fill_ids) - len(req.prefix_indices) for req in candidates]
         for req in candidates[: whole_beside(remaining, demands, adder.rem_chunk_tokens)]:
-            result = adder.add_one_req(req, has_chunked_req=True, truncation_align_size=truncation_align_size)
+            result = step_latency.add_one_req(adder, req, has_chunked_req=True,
+                                              truncation_align_size=truncation_align_size)  # fmt: skip
             if req in adder.can_run_list:
                 ahead.append(req)
             if result != AddReqResult.CONTINUE:
                 break
-    return adder.add_chunked_req(chunked_req), ahead
+    return step_latency.add_chunked_req(adder, chunked_req), ahead
