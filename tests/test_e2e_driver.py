@@ -436,3 +436,11 @@ def test_the_engine_phases_run_the_measured_stages_last_and_smollm2_ttft_on_sgla
         expected = [f"{tag}_{s}" for s in ("equality", "needles", "offline_ttft", "mixed_load", "smol_equality")]
         expected += [f"{tag}_smol_offline_ttft"] if engine == "sglang" else []
         assert names == expected + [f"{tag}_serve"]
+
+
+def test_the_step_target_follows_upstreams_decode_latency_where_decodes_ride_in_the_step(driver, monkeypatch):
+    assert driver.mixed_target([], 3.5) == 4.5  # vLLM: 1.3x, rounded
+    assert driver.mixed_target([], 2.0) == 4.0  # at least 4 ms
+    monkeypatch.setattr(driver, "ENGINE", "sglang")
+    assert driver.mixed_target([], 3.5) == driver.SGLANG_STEP_TARGET_MS  # prefill-only batches: the chats' TTFT
+    assert driver.mixed_target(["--enable-mixed-chunk"], 3.5) == 4.5

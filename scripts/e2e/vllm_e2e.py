@@ -895,10 +895,7 @@ def mixed_stage(results: dict, gpus: str, tok, corpus: Corpus, model: Path, args
     if target is None:
         with serving("mixed-upstream", "upstream", gpus, model, 8103, []) as upstream:
             table["upstream defaults"] = run_mixed(upstream, prompts, args)
-        # On vLLM the step-latency target comes from upstream's unloaded decode latency (its p99, the
-        # figure the target bounds), as an operator would set it; SGLang's is fixed (SGLANG_STEP_TARGET_MS).
-        target = SGLANG_STEP_TARGET_MS if ENGINE == "sglang" else max(
-            round(1.3 * table["upstream defaults"]["unloaded"]["itl_p99_ms"], 1), 4.0)
+        target = mixed_target(engine_args, table["upstream defaults"]["unloaded"]["itl_p99_ms"])
         if engine_args:  # what the engine arguments alone do, apart from the scheduler flags
             with serving("mixed-upstream-args", "upstream", gpus, model, 8102, engine_args) as upstream:
                 table["upstream, " + " ".join(engine_args)] = run_mixed(upstream, prompts, args)
@@ -918,12 +915,22 @@ def mixed_stage(results: dict, gpus: str, tok, corpus: Corpus, model: Path, args
                              "seconds": args.mixed_seconds, "short_max_tokens": 48, "configs": table}  # fmt: skip
 
 
-# SGLang's prefill batches run instead of the decodes and hold the chats that join a chunk's batch, so
-# its target is set for the short requests' TTFT (<= 3x unloaded): a chat waits for at most the batch
-# running when it arrives and the one it joins, so 3x of run 2's ~15 ms unloaded TTFT p99 needs batches
-# of about 15 ms; 20 ms leaves the document's late chunks room for reading ~98K tokens of context, a
-# cost a batch must hold or the chunk waits while decodes run (docs/sglang-0.5.md, Scheduler).
+# Without mixed chunks SGLang's prefill batches run instead of the decodes and hold the chats that join a
+# chunk's batch, so its target is set for the short requests' TTFT (<= 3x unloaded): a chat waits for at
+# most the batch running when it arrives and the one it joins, so 3x of run 2's ~15 ms unloaded TTFT p99
+# needs batches of about 15 ms; 20 ms leaves the document's late chunks room for reading ~98K tokens of
+# context (docs/sglang-0.5.md, Scheduler). Run 3 measured what it costs the decodes: ITL p99 57 ms.
 SGLANG_STEP_TARGET_MS = 20.0
+
+
+def mixed_target(engine_args: list[str], upstream_itl_p99_ms: float) -> float:
+    """The patched mixed-load server's --max-step-latency-ms. Where the decodes ride in the step (vLLM;
+    SGLang with --enable-mixed-chunk) the target bounds the decode interval, so it comes from upstream's
+    unloaded decode latency (its p99), as an operator would set it; SGLang's prefill-only batches are timed
+    for the chats' TTFT instead (SGLANG_STEP_TARGET_MS)."""
+    if ENGINE == "sglang" and "--enable-mixed-chunk" not in engine_args:
+        return SGLANG_STEP_TARGET_MS
+    return max(round(1.3 * upstream_itl_p99_ms, 1), 4.0)
 
 
 def mixed_flags(backend: str, target_ms: float) -> list[str]:
@@ -1368,7 +1375,8 @@ def main() -> None:
     parser.add_argument("--mixed-seconds", type=float, default=20.0)
     parser.add_argument("--mixed-target-ms", type=float, help="--max-step-latency-ms of the patched mixed-load "
                         "server; given, the upstream server is not run (default: on vLLM 1.3x upstream's unloaded "
-                        "ITL p99, on SGLang SGLANG_STEP_TARGET_MS, 20)")
+                        "ITL p99, as on SGLang with --enable-mixed-chunk in --mixed-engine-args; else on SGLang "
+                        "SGLANG_STEP_TARGET_MS, 20)")
     parser.add_argument("--mixed-backends", default="SPARSE_PREFILL", help="comma-separated --attention-backend "
                         "values, one patched mixed-load server each, in this order, same scheduler flags; "
                         "'default' leaves vLLM's choice (the scheduler flags alone)")
