@@ -30,7 +30,8 @@ TARGET_MS = 20.0
 
 class Costs:
     """Batch wall times: a decode batch 2 ms + 0.1 ms per request; a prefill batch 3 ms + ``per_token``
-    per new token + ``per_key`` per token of context each request's extend reads."""
+    per new token + ``per_key`` per token of context each request's extend reads; a mixed batch its
+    prefill batch + 0.1 ms per decoding request it carries."""
 
     def __init__(self, per_token: float = 4e-6, per_key: float = 2e-7) -> None:
         self.per_token, self.per_key = per_token, per_key
@@ -41,6 +42,9 @@ class Costs:
     def prefill(self, extends: list[tuple[int, int]]) -> float:
         """``extends``: (context, tokens) of each request."""
         return 3e-3 + sum(self.per_token * tokens + self.per_key * context for context, tokens in extends)
+
+    def mixed(self, extends: list[tuple[int, int]], decodes: int) -> float:
+        return self.prefill(extends) + 1e-4 * decodes
 
     def teach(self, model) -> None:
         """Fit the planner's model as the scheduler would, on batches of these costs: decodes of 1-8
@@ -61,6 +65,20 @@ def stand_in_batches(monkeypatch):
     monkeypatch.setattr(ScheduleBatch, "init_new", staticmethod(
         lambda reqs, *args, **kwargs: ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND)))
     monkeypatch.setattr(ScheduleBatch, "prepare_for_extend", lambda batch: None)
+    monkeypatch.setattr(ScheduleBatch, "prepare_for_decode", lambda batch: None)
+    monkeypatch.setattr(ScheduleBatch, "filter_batch", lambda batch: None)
+    monkeypatch.setattr(ScheduleBatch, "mix_with_running", mix_with_running)
+
+
+def mix_with_running(batch, running_batch):
+    """ScheduleBatch.mix_with_running on the requests alone (--enable-mixed-chunk): each decoding request
+    extends by its next token after what it holds, and joins the prefill batch."""
+    batch.forward_mode = ForwardMode.MIXED
+    for req in running_batch.reqs:
+        req._refresh_fill_ids()
+        held = len(req.full_untruncated_fill_ids)
+        req.set_extend_range(held - 1, held)
+    batch.reqs = batch.reqs + running_batch.reqs
 
 
 class Harness:
@@ -81,7 +99,8 @@ class Harness:
         self.schedule_policy = self.server_args.schedule_policy
         self.enable_hierarchical_cache = self.enable_priority_scheduling = False
         self.schedule_low_priority_values_first = False
-        self.chunked_prefill_size, self.page_size, self.is_mixed_chunk = CHUNK, 1, False
+        self.chunked_prefill_size, self.page_size = CHUNK, 1
+        self.is_mixed_chunk = self.server_args.enable_mixed_chunk
         self.model_config = SimpleNamespace(context_len=131072)
         self.init_schedule_policy()
         if self.step_latency.planner is not None:
@@ -163,7 +182,9 @@ class Harness:
             ran, seconds = "DECODE", self.costs.decode(len(batch.reqs))
         else:
             ran = {req.rid: req.extend_range.length for req in batch.reqs}
-            seconds = self.costs.prefill([(req.extend_range.start, req.extend_range.length) for req in batch.reqs])
+            decoding = batch.decoding_reqs or []
+            extends = [(req.extend_range.start, req.extend_range.length) for req in batch.reqs if req not in decoding]
+            seconds = self.costs.mixed(extends, len(decoding))
         self.now += seconds
         self.process_batch_result(batch, None)
         return ran, seconds
@@ -206,6 +227,39 @@ def test_a_documents_chunk_is_cut_to_the_target_while_a_request_decodes(stand_in
     upstream.decoding("chat", 300, max_new_tokens=40)
     upstream.doc = upstream.arrive("doc", 30000)
     assert [tokens for tokens, _ in upstream.prefill_document()] == [CHUNK] * 3 + [30000 - 3 * CHUNK]
+
+
+def test_with_mixed_chunks_the_batch_carrying_the_decodes_is_cut_to_the_target(stand_in_batches):
+    """--enable-mixed-chunk: 16 decoding requests ride in every prefill batch, so their inter-token
+    latency is the batch's time. Under the target the decodes' predicted 1.6 ms comes off the batch's 20 ms
+    and the chunk gets the rest: every batch but the document's last takes 20 ms (within a percent, the
+    fit's error; timing the chunk alone would give 21.6), every request gets a token in each, and the
+    chunks shrink as the document's context grows. Upstream's mixed batches carry chunks of 8192 less the
+    decodes' tokens and take 37-41 ms each."""
+    costs = Costs()
+    for flags, document_chunks in (
+        (["--enable-mixed-chunk", "--max-step-latency-ms", str(TARGET_MS)], None),
+        (["--enable-mixed-chunk"], [CHUNK - 16] * 3 + [30000 - 3 * (CHUNK - 16)]),
+    ):
+        scheduler = Harness(costs, *flags)
+        for i in range(16):
+            scheduler.decoding(f"chat{i}", 300 + 10 * i, max_new_tokens=64)
+        chats = list(scheduler.running.reqs)
+        scheduler.doc = scheduler.arrive("doc", 30000)
+        rounds = []
+        while not scheduler.doc.output_ids and len(rounds) < 64:
+            tokens = [len(chat.output_ids) for chat in chats]
+            ran, seconds = scheduler.round()
+            rounds.append((ran["doc"], seconds))
+            assert [len(chat.output_ids) for chat in chats] == [n + 1 for n in tokens], (flags, ran)
+        chunks = [tokens for tokens, _ in rounds]
+        assert sum(chunks) == 30000, (flags, rounds)
+        if document_chunks is not None:
+            assert chunks == document_chunks and all(0.036 < seconds < 0.041 for _, seconds in rounds[:-1]), rounds
+            continue
+        assert all(seconds == pytest.approx(TARGET_MS / 1e3, rel=0.01) for _, seconds in rounds[:-1]), rounds
+        assert rounds[-1][1] <= TARGET_MS / 1e3 * 1.01
+        assert chunks[:-1] == sorted(chunks[:-1], reverse=True) and chunks[0] < CHUNK // 2, rounds
 
 
 def test_with_nobody_waiting_the_chunk_is_the_chunked_prefill_size(stand_in_batches):
