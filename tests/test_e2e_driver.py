@@ -392,19 +392,22 @@ def test_the_tokens_a_prefix_hit_computed_sparse_come_from_the_runtimes_own_stat
     assert "prefix-cache hit: 1500 of its 4572 tokens computed by the sparse kernel" in driver.report(results)
 
 
-def test_bench_serving_flushes_the_radix_cache_after_its_warm_up(driver, tmp_path, monkeypatch):
+def test_bench_serving_flushes_the_radix_cache_and_sends_token_ids(driver, tmp_path, monkeypatch):
     """SGLang's bench_serving warms up with its first measured prompt; without --flush-cache that request is
-    a full radix-cache hit (run 1, 2026-12-04: one of five TTFTs near zero). Its runs share one process,
-    upstream and patched in turn at each length."""
+    a full radix-cache hit (run 1, 2026-12-04: one of five TTFTs near zero). Its prompts go as token ids, at
+    the length asked (run 4, 2026-12-06: as text they came back another length), and a run that records no
+    first token (median TTFT 0) has no figure. Its runs share one process, upstream and patched in turn at
+    each length."""
     calls = []
 
     def run(command, input, **kwargs):
         runs = json.loads(input)
         calls.append((command, runs))
-        for argv in runs[:-1]:  # the last run writes nothing, as a failed one
+        for i, argv in enumerate(runs[:-1]):  # the last run writes nothing, as a failed one
             out = Path(argv[argv.index("--output-file") + 1])
             port = argv[argv.index("--base-url") + 1].rsplit(":", 1)[1]
-            out.write_text(json.dumps({"median_ttft_ms": 100.0 if port == "8111" else 50.0}) + "\n")
+            ttft = 0.0 if i == 2 else 100.0 if port == "8111" else 50.0  # the third recorded no first token
+            out.write_text(json.dumps({"median_ttft_ms": ttft}) + "\n")
         return type("Done", (), {"stdout": "", "stderr": "", "returncode": 1})()
 
     monkeypatch.setattr(driver.subprocess, "run", run)
@@ -417,10 +420,11 @@ def test_bench_serving_flushes_the_radix_cache_after_its_warm_up(driver, tmp_pat
     result = driver.sglang_bench_serving(up, pa, driver.QWEN, args)
     (command, runs), = calls
     assert command[-1].endswith("sglang_bench_serving.py") and len(runs) == 4
-    assert all("--flush-cache" in argv for argv in runs) and "--flush-cache" in result["command"]
+    assert all("--flush-cache" in argv and "--tokenize-prompt" in argv for argv in runs)
+    assert "--flush-cache" in result["command"] and "--tokenize-prompt" in result["command"]
     assert [argv[argv.index("--base-url") + 1][-4:] for argv in runs] == ["8111", "8112", "8111", "8112"]
     assert result["by_length"][8192]["speedup"] == 2.0 and result["exit"] == 1
-    assert result["by_length"][16384] == {"upstream_ms": 100.0, "patched_ms": None}
+    assert result["by_length"][16384] == {"upstream_ms": None, "patched_ms": None}
 
 
 def test_the_engine_phases_run_the_measured_stages_last_and_smollm2_ttft_on_sglang_only(driver, monkeypatch):

@@ -197,6 +197,28 @@ def test_a_chunk_whose_context_does_not_fit_waits_but_never_starves():
     assert 0 < budget.limit_tokens(0, 4096) < 4096  # a fresh chat prompt fits partly, no floor needed
 
 
+def test_a_fixed_prefill_cost_above_what_the_decodes_leave_does_not_hold_a_new_prompt_back():
+    """SGLang run 4 (H100, 2026-12-06, mixed chunks): where the fitted cost of carrying a prefill exceeded
+    the time the decodes left under the target, every chat was refused while others decoded and waited
+    for their decodes to end (TTFT p99 247 ms unloaded, against 54 ms upstream). No prefill step can meet
+    such a target, so the step's chunks get as much time for their own costs as carrying them costs: a
+    chat prompt goes whole, a long one gets that much, and the step is predicted within the decodes plus
+    twice the fixed cost. A chunk whose context read alone exceeds that still waits."""
+    budget = fitted_budget(3.0)  # decodes ~2 ms leave ~1 ms, below the 1.5 ms of carrying a prefill
+    budget.start(decode_tokens=3, decode_pairs=3 * 600)
+    assert 0 < budget.seconds_left < budget.model.prefill_step_seconds
+    assert budget.limit_tokens(0, 300) == 300
+    budget.start(decode_tokens=3, decode_pairs=3 * 600)
+    chunk = budget.limit_tokens(0, 8192)
+    assert budget.model.chunk_seconds(chunk, 0) == pytest.approx(budget.model.prefill_step_seconds, rel=0.01)
+    predicted = budget.model.step_seconds(3, 3 * 600, chunk, attention_pairs(0, chunk), 0)
+    assert predicted == pytest.approx(budget.model.decode_seconds(3, 3 * 600) + 2 * P0, rel=0.05)
+    budget.charge(0, chunk)
+    assert budget.limit_tokens(0, 300) == 0  # the step's time is spent: a second prompt waits
+    budget.start(decode_tokens=3, decode_pairs=3 * 600)
+    assert budget.limit_tokens(90000, 4096) == 0  # reading 90K keys (~14 ms) does not fit 1.5 ms
+
+
 def test_prefills_keep_the_floor_when_decodes_alone_exceed_the_target():
     budget = fitted_budget(1.0)  # below the decodes' own ~2 ms
     budget.start(decode_tokens=3, decode_pairs=3 * 600)

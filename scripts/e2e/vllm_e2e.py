@@ -1061,7 +1061,10 @@ def sglang_bench_serving(up: Server, pa: Server, model: str, args) -> dict:
     length, --repeats requests of random token ids one at a time, one output token; its median TTFT. The
     runs go through its entry point in one process (sglang_bench_serving.py), upstream and patched in turn
     at each length. Its warm-up request is the first measured prompt, so the radix cache is flushed after it
-    (--flush-cache): otherwise one of the measured requests is a full cache hit."""
+    (--flush-cache): otherwise one of the measured requests is a full cache hit. The prompts go as token ids
+    (--tokenize-prompt): as text, the ids' decoding tokenises back to another length (run 4, 2026-12-06: at
+    131008 both servers answered in 0.90-0.94 s, where their 128K prefills take 1.5-3.2 s). A run that
+    records no first token (a median TTFT of 0: the one output token decoded to no text) has no figure."""
     runs, outputs = [], {}
     for length in [prompt_len(model, n) for n in args.lengths]:
         for label, server in (("upstream", up), ("patched", pa)):
@@ -1071,7 +1074,7 @@ def sglang_bench_serving(up: Server, pa: Server, model: str, args) -> dict:
                          "--tokenizer", server.model, "--dataset-name", "random-ids", "--random-input-len", str(length),
                          "--random-output-len", "1", "--random-range-ratio", "1", "--num-prompts", str(args.repeats),
                          "--max-concurrency", "1", "--request-rate", "inf", "--seed", str(length), "--flush-cache",
-                         "--disable-tqdm", "--output-file", str(out)])  # fmt: skip
+                         "--tokenize-prompt", "--disable-tqdm", "--output-file", str(out)])  # fmt: skip
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("sglang_bench_serving.py"))],
                           input=json.dumps(runs), env=side_env("upstream", ""), capture_output=True, text=True,
                           timeout=3600)  # fmt: skip
@@ -1080,13 +1083,13 @@ def sglang_bench_serving(up: Server, pa: Server, model: str, args) -> dict:
     for (length, label), out in outputs.items():
         lines = out.read_text().splitlines() if out.is_file() else []
         row = table.setdefault(length, {})
-        row[f"{label}_ms"] = json.loads(lines[-1])["median_ttft_ms"] if lines else None
+        row[f"{label}_ms"] = (json.loads(lines[-1])["median_ttft_ms"] or None) if lines else None
         if label == "patched":
             if row["upstream_ms"] and row["patched_ms"]:
                 row["speedup"] = row["upstream_ms"] / row["patched_ms"]
             say(f"bench_serving {length}: {row}")
     return {"command": "python -m sglang.bench_serving --backend sglang --dataset-name random-ids --random-output-len 1 "
-            f"--num-prompts {args.repeats} --max-concurrency 1 --flush-cache", "exit": proc.returncode,
+            f"--num-prompts {args.repeats} --max-concurrency 1 --flush-cache --tokenize-prompt", "exit": proc.returncode,
             "by_length": table}  # fmt: skip
 
 

@@ -42,10 +42,16 @@ class PrefillTime:
 
     A chunk too costly for the time left is cut, down to nothing when even reading its context does
     not fit: a chunk of a few tokens late in a long prompt costs a whole step of attention for
-    little progress. Until a step with a prefill chunk has been timed (the model knows nothing of
-    their cost), a chunk gets ``min_prefill_tokens``, a probe. Two exceptions keep prefills moving. When the decodes alone exceed the target
-    (set too low), prefill chunks still get ``min_prefill_tokens``; and after `STARVATION_STEPS`
-    steps in which prefill chunks were refused outright, one step takes them uncapped.
+    little progress. What carrying a prefill costs the step (the model's fixed prefill cost) is paid
+    whatever the chunk's size, so the step's chunks always get at least that much time for their own
+    costs, however little the decodes leave: a step that carries a prefill is predicted at no more than
+    the target or its decodes plus twice that cost, whichever is more. Refusing instead would not bring
+    any prefill step within the target, only hold a new request back until the decodes end (SGLang run 4,
+    docs/sglang-0.5.md: chats waited for others' decodes, TTFT p99 247 ms unloaded). Until a step with a
+    prefill chunk has been timed (the model knows nothing of their cost), a chunk gets
+    ``min_prefill_tokens``, a probe. Two exceptions keep prefills moving. When the decodes alone exceed
+    the target (set too low), the step's first chunk gets at least ``min_prefill_tokens``; and after
+    `STARVATION_STEPS` steps in which prefill chunks were refused outright, one step takes them uncapped.
     """
 
     def __init__(self, max_step_latency_ms: float | None, token_scale: int, max_model_len: int,
@@ -81,18 +87,23 @@ class PrefillTime:
             self._warned = True
             logger.warning(
                 "--max-step-latency-ms %.1f is below the predicted time of the running decodes alone "
-                "(%.1f ms over %d steps); prefills get only %d tokens per request per step. Raise the target.",
+                "(%.1f ms over %d steps); a step's prefills get only the time carrying a prefill costs "
+                "(%.1f ms), at least %d tokens. Raise the target.",
                 self.target_s * 1e3, (self.target_s - self.seconds_left) * 1e3, UNREACHABLE_STEPS,
-                self.min_prefill_tokens,
+                self.model.prefill_step_seconds * 1e3, self.min_prefill_tokens,
             )
 
     @property
     def prefill_seconds(self) -> float | None:
         """Time left in this step for prefill chunks' own costs: `seconds_left`, less what carrying a
-        prefill costs the step while no chunk has paid it; None when prefills are not timed."""
+        prefill costs the step while no chunk has paid it, but never less than that cost itself (the
+        class docstring); None when prefills are not timed."""
         if self.seconds_left is None:
             return None
-        return self.seconds_left - (0.0 if self._prefill_granted else self.model.prefill_step_seconds)
+        if self._prefill_granted:
+            return self.seconds_left
+        fixed = self.model.prefill_step_seconds
+        return max(self.seconds_left - fixed, fixed)
 
     def limit_tokens(self, context: int, num_new_tokens: int, seconds: float | None = None,
                      floor_each: bool = False) -> int:

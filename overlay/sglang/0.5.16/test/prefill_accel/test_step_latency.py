@@ -262,6 +262,28 @@ def test_with_mixed_chunks_the_batch_carrying_the_decodes_is_cut_to_the_target(s
         assert chunks[:-1] == sorted(chunks[:-1], reverse=True) and chunks[0] < CHUNK // 2, rounds
 
 
+def test_with_mixed_chunks_a_chat_is_not_held_back_by_a_target_below_a_prefills_fixed_cost(stand_in_batches):
+    """Run 4 (H100, 2026-12-06): under --enable-mixed-chunk and a 10.3 ms target, the fitted cost of carrying
+    a prefill exceeded what the decodes left, and chats that arrived while others decoded waited for those
+    decodes to end (only 13 of 145 chats prefilled beside a decode, against 42 upstream). Here a prefill
+    batch costs 1 ms more than a decode batch, and a 2.8 ms target leaves 0.7 ms beside one decode: the
+    chat still starts in the next batch, its chunk given that 1 ms (about 250 tokens), the decode riding in
+    every batch, and has its first token within three; on the old rule it waited for the decode's 20
+    tokens."""
+    scheduler = Harness(Costs(), "--enable-mixed-chunk", "--max-step-latency-ms", "2.8")
+    scheduler.decoding("reply", 300, max_new_tokens=20)
+    reply = scheduler.running.reqs[0]
+    chat = scheduler.arrive("chat", 500, max_new_tokens=4)
+    rounds = []
+    while not chat.output_ids and len(rounds) < 6:
+        tokens = len(reply.output_ids)
+        ran, _ = scheduler.round()
+        rounds.append(ran)
+        assert len(reply.output_ids) == tokens + 1, rounds
+    assert all(isinstance(ran, dict) and ran["reply"] == 1 for ran in rounds), rounds
+    assert 200 < rounds[0]["chat"] < 300 and len(rounds) <= 3 and chat.output_ids, rounds
+
+
 def test_with_nobody_waiting_the_chunk_is_the_chunked_prefill_size(stand_in_batches):
     """Nothing decodes and nothing else waits: nobody's latency is at stake, the document gets whole
     chunks of --chunked-prefill-size, as upstream's (the vLLM targets time only steps others wait for)."""
