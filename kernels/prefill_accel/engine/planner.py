@@ -113,7 +113,7 @@ class StepPlanner:
         if self.limits.enabled:
             self._level, self._seconds_level = self.limits.shares(
                 prefilling, waiting, self._tokens_left,
-                self._chunk_seconds if self.timed else None, max(self.time.prefill_seconds, 0.0) if self.timed else 0.0,
+                self._chunk_seconds if self.timed else None, self.time.prefill_seconds if self.timed else 0.0,
             )  # fmt: skip
         return self._tokens_left
 
