@@ -226,6 +226,9 @@ def test_the_mixed_load_and_served_ttft_go_through_the_products_client(driver):
         bodies = [entry for entry in stub.state.log if entry["path"] == "/v1/completions"]
     assert result["short_requests"] >= 10 and 20 <= result["ttft_p50_ms"] < 500
     assert 1.5 <= result["itl_p50_ms"] < 50 and result["long_ttft_ms"] >= 20
+    sent, ttfts, gaps = zip(*result["requests"])
+    assert len(sent) == result["short_requests"] and list(sent) == sorted(sent) and sent[-1] < 1.5
+    assert min(ttfts) >= 20 and max(gaps) >= 1.5 and 0.9 <= result["long_sent_s"] < 1.5
     assert len(bodies) == 1 + result["short_requests"] + 1  # served_ttft, the chats, the long request
     assert {entry["max_tokens"] for entry in bodies} == {1, 48, 4}
 

@@ -815,8 +815,9 @@ def served_ttft(server: Server, prompt: list[int]) -> float:
 def mixed_load(server: Server, shorts: list[list[int]], long_prompt: list[int] | None, rate: float,
                seconds: float, seed: int) -> dict:  # fmt: skip
     """Short chats arrive as a Poisson stream of ``rate``/s for ``seconds``; the long request (if any) is
-    sent 1 s in. Short-request TTFT and inter-token latency, and the long request's TTFT. Each request is
-    a thread of its own (a stream waits on the server, not on this process)."""
+    sent 1 s in. Short-request TTFT and inter-token latency, and the long request's TTFT; ``requests``
+    keeps each chat's send time (s after ``start``, the monotonic clock's reading that a step trace's
+    ``t`` shares), TTFT and longest gap (ms), to tell which chats set a percentile. Each request is a thread of its own (a stream waits on the server, not on this process)."""
     rng = random.Random(seed)
     with ThreadPoolExecutor(max_workers=256) as pool:
         start = time.perf_counter()
@@ -835,8 +836,11 @@ def mixed_load(server: Server, shorts: list[list[int]], long_prompt: list[int] |
     result = {
         "short_requests": len(done), "ttft_p50_ms": percentile(ttfts, 50) * 1e3, "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
         "itl_p50_ms": percentile(itls, 50) * 1e3, "itl_p99_ms": percentile(itls, 99) * 1e3,
+        "start": start, "requests": [[round(d["sent"] - start, 4), round(d["ttft"] * 1e3, 2), round(max(d["itl"], default=0.0) * 1e3, 2)]
+                     for d in done],
     }  # fmt: skip
     if long_result is not None:
+        result["long_sent_s"] = round(long_result["sent"] - start, 4)
         result["long_ttft_ms"] = long_result["ttft"] * 1e3
         result["long_tokens"] = len(long_prompt)
     return result
@@ -954,7 +958,8 @@ def run_mixed(server: Server, prompts: dict, args) -> dict:
         "unloaded": mixed_load(server, prompts["unloaded"], None, args.mixed_rate, args.mixed_seconds, 3),
         "loaded": mixed_load(server, prompts["loaded"], prompts["long"], args.mixed_rate, args.mixed_seconds, 3),
     }
-    say(f"{server.name}: unloaded {row['unloaded']}, loaded {row['loaded']}")
+    brief = {window: {k: v for k, v in figures.items() if k != "requests"} for window, figures in row.items()}
+    say(f"{server.name}: unloaded {brief['unloaded']}, loaded {brief['loaded']}")
     return row
 
 
