@@ -395,12 +395,13 @@ def test_the_tokens_a_prefix_hit_computed_sparse_come_from_the_runtimes_own_stat
     assert "prefix-cache hit: 1500 of its 4572 tokens computed by the sparse kernel" in driver.report(results)
 
 
-def test_bench_serving_flushes_the_radix_cache_and_sends_token_ids(driver, tmp_path, monkeypatch):
+def test_bench_serving_sends_corpus_text_as_token_ids_and_keeps_each_requests_outcome(driver, tmp_path, monkeypatch):
     """SGLang's bench_serving warms up with its first measured prompt; without --flush-cache that request is
-    a full radix-cache hit (run 1, 2026-12-04: one of five TTFTs near zero). Its prompts go as token ids, at
-    the length asked (run 4, 2026-12-06: as text they came back another length), and a run that records no
-    first token (median TTFT 0) has no figure. Its runs share one process, upstream and patched in turn at
-    each length."""
+    a full radix-cache hit (run 1, 2026-12-04: one of five TTFTs near zero). Its prompts are the corpus's
+    text, one dataset entry per request longer than the length, sent as token ids cut to the length asked
+    (run 4, 2026-12-06: as text they came back another length; run 5: its random-ids prompts failed at
+    131008). A run that records no first token has no figure and keeps why. Its runs share one process,
+    upstream and patched in turn at each length."""
     calls = []
 
     def run(command, input, **kwargs):
@@ -410,8 +411,17 @@ def test_bench_serving_flushes_the_radix_cache_and_sends_token_ids(driver, tmp_p
             out = Path(argv[argv.index("--output-file") + 1])
             port = argv[argv.index("--base-url") + 1].rsplit(":", 1)[1]
             ttft = 0.0 if i == 2 else 100.0 if port == "8111" else 50.0  # the third recorded no first token
-            out.write_text(json.dumps({"median_ttft_ms": ttft}) + "\n")
+            errors = ["Traceback ...\nValueError: too long"] if i == 2 else [""]
+            out.write_text(json.dumps({"median_ttft_ms": ttft, "ttfts": [ttft / 1e3], "errors": errors}) + "\n")
         return type("Done", (), {"stdout": "", "stderr": "", "returncode": 1})()
+
+    class Tok:
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    class Corpus:
+        def window(self, length, index):
+            return list(range(index, index + length))
 
     monkeypatch.setattr(driver.subprocess, "run", run)
     monkeypatch.setattr(driver, "OUT_DIR", tmp_path)
@@ -420,14 +430,25 @@ def test_bench_serving_flushes_the_radix_cache_and_sends_token_ids(driver, tmp_p
     up, pa = server(), server()
     up.port, pa.port = 8111, 8112
     args = type("Args", (), {"lengths": [8192, 16384], "repeats": 5})()
-    result = driver.sglang_bench_serving(up, pa, driver.QWEN, args)
+    result = driver.sglang_bench_serving(up, pa, driver.QWEN, Tok(), Corpus(), args)
     (command, runs), = calls
     assert command[-1].endswith("sglang_bench_serving.py") and len(runs) == 4
-    assert all("--flush-cache" in argv and "--tokenize-prompt" in argv for argv in runs)
+    assert all("--flush-cache" in argv and "--tokenize-prompt" in argv and "--output-details" in argv for argv in runs)
     assert "--flush-cache" in result["command"] and "--tokenize-prompt" in result["command"]
     assert [argv[argv.index("--base-url") + 1][-4:] for argv in runs] == ["8111", "8112", "8111", "8112"]
+    for argv, length in zip(runs, (8192, 8192, 16384, 16384)):
+        assert argv[argv.index("--dataset-name") + 1] == "random"
+        assert argv[argv.index("--random-input-len") + 1] == str(length)
+        entries = json.loads(Path(argv[argv.index("--dataset-path") + 1]).read_text())
+        texts = [entry["conversations"][0]["value"] for entry in entries]
+        assert len(texts) == 6 and len(set(texts)) == 6  # the warm-up's and five unique prompts
+        assert all(len(text.split()) > length for text in texts)
+    assert runs[0][runs[0].index("--dataset-path") + 1] != runs[2][runs[2].index("--dataset-path") + 1]
     assert result["by_length"][8192]["speedup"] == 2.0 and result["exit"] == 1
-    assert result["by_length"][16384] == {"upstream_ms": None, "patched_ms": None}
+    assert result["by_length"][8192]["upstream_ttfts_ms"] == [100.0]
+    assert result["by_length"][16384]["upstream_error"].endswith("ValueError: too long")
+    assert result["by_length"][16384]["patched_error"].startswith("no result written")
+    assert result["by_length"][16384]["patched_ms"] is None and "speedup" not in result["by_length"][16384]
 
 
 def test_the_engine_phases_run_the_measured_stages_last_and_smollm2_ttft_on_sglang_only(driver, monkeypatch):

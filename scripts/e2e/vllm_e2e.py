@@ -1058,28 +1058,37 @@ def serve_bench_stage(results: dict, gpus: str, model: str, args) -> None:
         }  # fmt: skip
         results[f"{model}_bench"] = run_bench(up, pa, model, args)
         if ENGINE == "sglang":
-            results[f"{model}_bench_serving"] = sglang_bench_serving(up, pa, model, args)
+            results[f"{model}_bench_serving"] = sglang_bench_serving(up, pa, model, tok, corpus, args)
 
 
-def sglang_bench_serving(up: Server, pa: Server, model: str, args) -> dict:
+def sglang_bench_serving(up: Server, pa: Server, model: str, tok, corpus: Corpus, args) -> dict:
     """SGLang's own benchmark (its users' tool) against the two servers, beside `prefill-accel bench`: per
-    length, --repeats requests of random token ids one at a time, one output token; its median TTFT. The
-    runs go through its entry point in one process (sglang_bench_serving.py), upstream and patched in turn
-    at each length. Its warm-up request is the first measured prompt, so the radix cache is flushed after it
-    (--flush-cache): otherwise one of the measured requests is a full cache hit. The prompts go as token ids
-    (--tokenize-prompt): as text, the ids' decoding tokenises back to another length (run 4, 2026-12-06: at
-    131008 both servers answered in 0.90-0.94 s, where their 128K prefills take 1.5-3.2 s). A run that
-    records no first token (a median TTFT of 0: the one output token decoded to no text) has no figure."""
+    length, --repeats requests one at a time, one output token; its median TTFT. The runs go through its
+    entry point in one process (sglang_bench_serving.py), upstream and patched in turn at each length.
+
+    Its `random` dataset over a file of this corpus's text in ShareGPT's layout, one entry per request, each
+    longer than the length asked, so that every prompt is real text cut to the length as token ids
+    (--tokenize-prompt; as text, ids decode and tokenise back to another length: run 4, 2026-12-06). Its
+    `random-ids` prompts (consecutive token ids) failed at 131008 on both servers in run 5 (2026-12-06), and
+    bench_serving counts a first token only when the streamed text is not empty, which one token after
+    such a prompt need not give. Its warm-up request is the first measured prompt, so the radix cache is
+    flushed after it (--flush-cache): otherwise one of the measured requests is a full cache hit. Each run's
+    details (--output-details) keep every request's TTFT and error; a run that records no first token has
+    no figure and its first error is kept."""
     runs, outputs = [], {}
     for length in [prompt_len(model, n) for n in args.lengths]:
+        dataset = OUT_DIR / f"bench-serving-prompts-{length}.json"
+        texts = [tok.decode(corpus.window(length + 512, 60_000 + 97 * length + i)) for i in range(args.repeats + 1)]
+        dataset.write_text(json.dumps([{"conversations": [{"value": text}, {"value": ""}]} for text in texts]))
         for label, server in (("upstream", up), ("patched", pa)):
             out = outputs[length, label] = OUT_DIR / f"bench-serving-{label}-{length}.jsonl"
             out.unlink(missing_ok=True)
             runs.append(["--backend", "sglang", "--base-url", f"http://127.0.0.1:{server.port}", "--model", server.model,
-                         "--tokenizer", server.model, "--dataset-name", "random-ids", "--random-input-len", str(length),
-                         "--random-output-len", "1", "--random-range-ratio", "1", "--num-prompts", str(args.repeats),
-                         "--max-concurrency", "1", "--request-rate", "inf", "--seed", str(length), "--flush-cache",
-                         "--tokenize-prompt", "--disable-tqdm", "--output-file", str(out)])  # fmt: skip
+                         "--tokenizer", server.model, "--dataset-name", "random", "--dataset-path", str(dataset),
+                         "--random-input-len", str(length), "--random-output-len", "1", "--random-range-ratio", "1",
+                         "--num-prompts", str(args.repeats), "--max-concurrency", "1", "--request-rate", "inf",
+                         "--seed", str(length), "--flush-cache", "--tokenize-prompt", "--output-details",
+                         "--disable-tqdm", "--output-file", str(out)])  # fmt: skip
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("sglang_bench_serving.py"))],
                           input=json.dumps(runs), env=side_env("upstream", ""), capture_output=True, text=True,
                           timeout=3600)  # fmt: skip
@@ -1088,14 +1097,20 @@ def sglang_bench_serving(up: Server, pa: Server, model: str, args) -> dict:
     for (length, label), out in outputs.items():
         lines = out.read_text().splitlines() if out.is_file() else []
         row = table.setdefault(length, {})
-        row[f"{label}_ms"] = (json.loads(lines[-1])["median_ttft_ms"] or None) if lines else None
+        found = json.loads(lines[-1]) if lines else {}
+        row[f"{label}_ms"] = found.get("median_ttft_ms") or None
+        row[f"{label}_ttfts_ms"] = [round(t * 1e3, 1) for t in found.get("ttfts") or []]
+        errors = [error for error in found.get("errors") or [] if error]
+        if not row[f"{label}_ms"]:
+            row[f"{label}_error"] = (errors[0][-600:] if errors else
+                                     "no first token recorded" if lines else "no result written (bench-serving.log)")
         if label == "patched":
             if row["upstream_ms"] and row["patched_ms"]:
                 row["speedup"] = row["upstream_ms"] / row["patched_ms"]
-            say(f"bench_serving {length}: {row}")
-    return {"command": "python -m sglang.bench_serving --backend sglang --dataset-name random-ids --random-output-len 1 "
-            f"--num-prompts {args.repeats} --max-concurrency 1 --flush-cache --tokenize-prompt", "exit": proc.returncode,
-            "by_length": table}  # fmt: skip
+            say(f"bench_serving {length}: " + str({k: v for k, v in row.items() if not k.endswith("ttfts_ms")}))
+    return {"command": "python -m sglang.bench_serving --backend sglang --dataset-name random --dataset-path FILE "
+            f"--random-output-len 1 --num-prompts {args.repeats} --max-concurrency 1 --flush-cache --tokenize-prompt",
+            "exit": proc.returncode, "by_length": table}  # fmt: skip
 
 
 def run_bench(up: Server, pa: Server, model: str, args) -> dict:
