@@ -415,6 +415,29 @@ def test_with_time_for_waiting_a_chat_beside_a_chunk_times_the_batch():
     assert not default.timed  # vLLM's targets time only steps that carry decodes
 
 
+def test_a_chunk_that_cannot_be_cut_goes_whole_as_the_steps_first_prefill_and_waits_otherwise():
+    """cap_whole, for a request an engine can only take whole this step (SGLang, beside another's chunked
+    request): one that fits the step's time goes whole; one that the target would cut goes whole where it is
+    the step's first prefill (waiting would hold it for the other's every remaining chunk) and gets nothing
+    after another prefill was charged. Counted in the budget statistics."""
+    options = PlannerOptions(bound_tokens=False, decodes_in_step=True, time_for_waiting=True)
+    decode = [Scheduled(context=300, tokens=1, prefill=False)]
+    plan = fitted(planner(options, target_ms=4.0))
+    plan.begin_step(decode, [Chunk(49152, context=49152)], [Chunk(600), Chunk(600)], token_budget=8192)
+    assert 0 < plan.cap(Chunk(600), 600) < 600  # the target alone would cut a chat beside the decode
+    assert plan.cap_whole(Chunk(600), 600) == 600 and plan.time.stats.whole == 1
+    plan.consume(Chunk(600), 600, admitted=True)
+    assert plan.cap_whole(Chunk(600), 600) == 0  # the second waits for the next step
+    plan.begin_step([], [], [Chunk(100)], token_budget=8192)  # nobody at stake: whatever fits the tokens
+    assert not plan.timed and plan.cap_whole(Chunk(100), 100) == 100
+    roomy = fitted(planner(options, target_ms=50.0))
+    roomy.begin_step(decode, [Chunk(49152, context=49152)], [Chunk(600), Chunk(600)], token_budget=8192)
+    for _ in range(2):  # both fit the step's time: whole, nothing counted
+        assert roomy.cap_whole(Chunk(600), 600) == 600
+        roomy.consume(Chunk(600), 600, admitted=True)
+    assert roomy.time.stats.whole == 0
+
+
 def test_srpf_keys_order_by_aged_remaining_then_arrival_and_priority_first():
     young_long, old_long, aged_out, chat = (srpf_key(8000, 1.0, 30.0, 10.0), srpf_key(8000, 29.0, 30.0, 1.0),
                                             srpf_key(9000, 31.0, 30.0, 0.5), srpf_key(100, 0.5, 30.0, 11.0))  # fmt: skip

@@ -144,6 +144,23 @@ class StepPlanner:
             allowed = min(max(allowed // block, 1) * block, num_new_tokens)
         return allowed
 
+    def cap_whole(self, chunk: Chunk, num_new_tokens: int) -> int:
+        """The size allowed for a chunk the engine cannot cut this step (whole or nothing): SGLang holds one
+        chunked request at a time, so a request that goes ahead of another's chunk under srpf cannot be
+        chunked while that one holds the slot. Where the step's time allows it whole, whole; where the
+        target would cut it and it is the step's first prefill, whole all the same: the alternative is not
+        a smaller chunk but waiting outside the step for as long as the other request holds the slot, a
+        long document's every remaining chunk (SGLang run 6, docs/sglang-0.5.md: chats waited 237-430 ms
+        beside a 98K-token document while one decoded). Such a step runs over the target by one request's
+        prefill. A later one in the same step waits for the next step; 0 is nothing."""
+        allowed = self.cap(chunk, num_new_tokens)
+        if allowed >= num_new_tokens:
+            return num_new_tokens
+        if self.timed and self.time.granted_tokens == 0:
+            self.time.stats.whole += 1
+            return num_new_tokens
+        return 0
+
     def consume(self, chunk: Chunk, num_tokens: int, admitted: bool) -> None:
         """Record a scheduled chunk (before the engine advances its computed tokens); ``admitted`` for a
         prefill taken from waiting this step."""

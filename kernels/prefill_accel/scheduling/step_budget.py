@@ -134,6 +134,11 @@ class PrefillTime:
         self.stats.chunk(num_new_tokens, min(num_new_tokens, allowed))
         return min(num_new_tokens, allowed)
 
+    @property
+    def granted_tokens(self) -> int:
+        """Prefill tokens charged to this step so far."""
+        return self._prefill_granted
+
     def charge(self, context: int, num_tokens: int) -> None:
         """Charge a scheduled prefill chunk to the step's time."""
         if self.seconds_left is None or num_tokens <= 0:
@@ -152,7 +157,7 @@ class BudgetStats:
         self._reset()
 
     def _reset(self) -> None:
-        self.steps = self.chunks = self.capped = self.refused = self.floored = self.released = 0
+        self.steps = self.chunks = self.capped = self.refused = self.floored = self.released = self.whole = 0
         self.requested = self.granted = 0
         self.over_target = 0
         self.min_left_s = math.inf
@@ -189,8 +194,8 @@ class BudgetStats:
     def _log(self, model: StepTimeModel) -> None:
         logger.info(
             "step-latency budget, last %d timed steps: %d prefill chunks, %d capped, %d refused, %d at the "
-            "floor, %d starvation releases; %d of %d tokens granted; decodes over the target in %d steps, "
-            "least prefill time left %.2f ms; model: %s",
-            self.steps, self.chunks, self.capped, self.refused, self.floored, self.released, self.granted,
+            "floor, %d starvation releases, %d whole past the target (uncuttable); %d of %d tokens granted; "
+            "decodes over the target in %d steps, least prefill time left %.2f ms; model: %s",
+            self.steps, self.chunks, self.capped, self.refused, self.floored, self.released, self.whole, self.granted,
             self.requested, self.over_target, self.min_left_s * 1e3, model.describe(),
         )  # fmt: skip

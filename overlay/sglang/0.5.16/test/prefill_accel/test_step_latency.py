@@ -340,6 +340,35 @@ def test_a_chunk_whose_context_read_does_not_fit_waits_outside_the_batch(stand_i
     assert pa.doc.output_ids and pa.doc.inflight_middle_chunks == 0
 
 
+def test_under_srpf_chats_ahead_of_a_held_document_go_whole_rather_than_wait(stand_in_batches):
+    """Run 6 (H100, 2026-12-07): with mixed chunks, srpf and a 4.4 ms target, three chats that arrived during a
+    98K-token document waited 237-430 ms. SGLang holds one chunked request at a time and the document held
+    it, so a chat the target would cut could not be chunked: the planner refused it, the document's chunk
+    (its context read too costly beside the decodes) took nothing or a few tokens, and each chat started
+    only once the one before it had stopped decoding. Here the document holds the chunked slot at 49152
+    tokens of context (a 9.8 ms read, over any batch's time), a reply decodes and two 600-token chats
+    wait, each cut to about 250 tokens by a 4 ms target beside one decode: each batch now takes the first
+    chat waiting whole beside the decodes (over the target by that chat's prefill), so both have their
+    first token within two batches, the decodes riding in each; the document waits while they decode and
+    then finishes with whole chunks."""
+    scheduler = Harness(Costs(), "--enable-mixed-chunk", "--schedule-policy", "srpf", "--max-step-latency-ms", "4")
+    scheduler.decoding("reply", 300, max_new_tokens=12)
+    reply = scheduler.running.reqs[0]
+    doc = scheduler.doc = make_req("doc", 98304, NOW - 10)
+    doc.init_next_round_input(scheduler.tree_cache)
+    doc.prefix_indices = torch.arange(49152)
+    doc.set_extend_range(49152, 49152)
+    scheduler.chunked_req = doc
+    chats = [scheduler.arrive("chat0", 600, max_new_tokens=4), scheduler.arrive("chat1", 600, max_new_tokens=4)]
+    rounds = [scheduler.round() for _ in range(2)]
+    assert [ran for ran, _ in rounds] == [{"chat0": 600, "reply": 1}, {"chat1": 600, "reply": 1, "chat0": 1}], rounds
+    assert all(chat.output_ids for chat in chats) and len(reply.output_ids) == 3
+    assert all(seconds == pytest.approx(Costs().mixed([(0, 600)], decodes), rel=1e-6)
+               for (_, seconds), decodes in zip(rounds, (1, 2)))  # fmt: skip
+    chunks = scheduler.prefill_document()
+    assert [tokens for tokens, _ in chunks] == [CHUNK] * 6 and doc.inflight_middle_chunks == 0
+
+
 def test_the_target_is_refused_where_it_cannot_apply():
     assert server_args("--max-step-latency-ms", "25").max_step_latency_ms == 25.0
     assert server_args().max_step_latency_ms is None

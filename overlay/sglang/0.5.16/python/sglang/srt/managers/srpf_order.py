@@ -65,7 +65,8 @@ def add_chunk_after_shorter(adder, policy, waiting_queue: List, chunked_req, tre
     the chunked request's and that go beside it whole at its fair share, at most ``max_requests`` in the
     batch; otherwise first and alone, as SGLang does. The queue is in srpf order already. Every request goes
     in through ``step_latency`` (step_latency.StepLatency: under --max-step-latency-ms each is also charged
-    its time, and the chunk gets the time left). Returns what add_chunked_req returns (the request while
+    its time, the first whole even where the target would cut it, since it cannot be chunked beside the
+    chunked request, and the chunk gets the time left). Returns what add_chunked_req returns (the request while
     unfinished) and the requests admitted before it."""
     from sglang.srt.managers.schedule_policy import AddReqResult, CacheAgnosticPolicy  # it imports this module
 
@@ -87,7 +88,7 @@ def add_chunk_after_shorter(adder, policy, waiting_queue: List, chunked_req, tre
         demands = [len(req.full_untruncated_fill_ids) - len(req.prefix_indices) for req in candidates]
         for req in candidates[: whole_beside(remaining, demands, adder.rem_chunk_tokens)]:
             result = step_latency.add_one_req(adder, req, has_chunked_req=True,
-                                              truncation_align_size=truncation_align_size)  # fmt: skip
+                                              truncation_align_size=truncation_align_size, ahead_of_chunk=True)  # fmt: skip
             if req in adder.can_run_list:
                 ahead.append(req)
             if result != AddReqResult.CONTINUE:

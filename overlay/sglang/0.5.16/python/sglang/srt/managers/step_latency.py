@@ -7,8 +7,10 @@ target), or, under --schedule-policy srpf, a request waiting beside a chunked on
 batch whole and gets its first token only when the batch ends). Each request of the batch is charged its
 own cost, its tokens and their attention over its own context; the chunked request's next chunk (or the
 new request that gets chunked) is cut to the time left, and one whose context read alone does not fit
-waits outside the batch while decodes run. With nobody waiting a chunk is chunked_prefill_size, as
-upstream's.
+waits outside the batch while decodes run. A request that srpf puts ahead of the chunked request cannot
+be chunked beside it (SGLang holds one chunked request): the batch's first goes whole even where the
+target would cut it, rather than wait for the chunked request's last chunk. With nobody waiting a chunk
+is chunked_prefill_size, as upstream's.
 
 The decisions, the step-time model (fitted online to the batches this scheduler runs) and its exceptions
 (a probe before any prefill batch is timed, the floor when the target is below a batch's fixed cost, a
@@ -133,9 +135,12 @@ class StepLatency:
         self.planner.begin_step(map(decoding, decoding_reqs), prefilling, map(waiting_chunk, waiting_queue),
                                 self.chunk_size)  # fmt: skip
 
-    def add_one_req(self, adder, req, has_chunked_req: bool, truncation_align_size: Optional[int]):
+    def add_one_req(self, adder, req, has_chunked_req: bool, truncation_align_size: Optional[int],
+                    ahead_of_chunk: bool = False):  # fmt: skip
         """``adder.add_one_req``, the request cut to the time the batch has left. While a chunked request
-        is unfinished in this batch SGLang holds no second one, so a request the target would cut waits."""
+        is unfinished SGLang holds no second one, so a request the target would cut cannot be chunked: one
+        that srpf puts ahead of the chunk (``ahead_of_chunk``) goes whole or waits as the planner's
+        `cap_whole` says, any other waits."""
         if not self.timed:
             return adder.add_one_req(req, has_chunked_req=has_chunked_req, truncation_align_size=truncation_align_size)
         from sglang.srt.managers.schedule_policy import AddReqResult  # it imports srpf_order, as we do
@@ -143,7 +148,10 @@ class StepLatency:
         view = in_batch_chunk(req)
         asked = min(view.remaining, adder.rem_chunk_tokens)
         if asked > 0:
-            allowed = self.planner.cap(view, asked)
+            if self._chunk_pending and ahead_of_chunk and asked == view.remaining:
+                allowed = self.planner.cap_whole(view, asked)
+            else:
+                allowed = self.planner.cap(view, asked)
             if allowed <= 0 or (allowed < view.remaining and self._chunk_pending):
                 return AddReqResult.OTHER
             if allowed < asked:
