@@ -466,9 +466,44 @@ def test_the_engine_phases_run_the_measured_stages_last_and_smollm2_ttft_on_sgla
         assert names == expected + [f"{tag}_serve"]
 
 
+def test_the_mixed_load_runs_one_patched_server_per_target_factor_after_upstreams(driver, monkeypatch):
+    """--mixed-target-factors 1.3,3: upstream's defaults first (their unloaded ITL p99 sets the targets), then
+    upstream with the engine arguments, then one patched server per target, each with the scheduler flags."""
+    import contextlib
+
+    started = []
+
+    @contextlib.contextmanager
+    def serving(name, side, gpus, model, port, flags):
+        started.append((name, side, flags))
+        yield name
+
+    def run_mixed(server, prompts, args):
+        return {window: {"ttft_p99_ms": 20.0, "itl_p99_ms": 3.5} for window in ("unloaded", "loaded")}
+
+    monkeypatch.setattr(driver, "ENGINE", "sglang")
+    monkeypatch.setattr(driver, "serving", serving)
+    monkeypatch.setattr(driver, "run_mixed", run_mixed)
+    monkeypatch.setattr(driver, "chat_prompt", lambda tok, corpus, rng, length, i: [i])
+    corpus = type("Corpus", (), {"window": lambda self, length, index: [index] * length})()
+    args = type("Args", (), {"mixed_rate": 4.0, "mixed_seconds": 2.0, "mixed_long": 64, "mixed_target_ms": None,
+                             "mixed_target_factors": "1.3,3", "mixed_backends": "SPARSE_PREFILL",
+                             "mixed_engine_args": "--enable-mixed-chunk"})()  # fmt: skip
+    results = {}
+    driver.mixed_stage(results, "0", None, corpus, Path("m"), args)
+    assert [(name, side) for name, side, _ in started] == [
+        ("mixed-upstream", "upstream"), ("mixed-upstream-args", "upstream"),
+        ("mixed-patched-0", "patched"), ("mixed-patched-1", "patched")]
+    targets = [flags[flags.index("--max-step-latency-ms") + 1] for _, side, flags in started if side == "patched"]
+    assert targets == ["4.5", "10.5"] and all("--enable-mixed-chunk" in flags for _, _, flags in started[1:])
+    assert len(results["mixed_load"]["configs"]) == 4
+
+
 def test_the_step_target_follows_upstreams_decode_latency_where_decodes_ride_in_the_step(driver, monkeypatch):
     assert driver.mixed_target([], 3.5) == 4.5  # vLLM: 1.3x, rounded
     assert driver.mixed_target([], 2.0) == 4.0  # at least 4 ms
     monkeypatch.setattr(driver, "ENGINE", "sglang")
     assert driver.mixed_target([], 3.5) == driver.SGLANG_STEP_TARGET_MS  # prefill-only batches: the chats' TTFT
     assert driver.mixed_target(["--enable-mixed-chunk"], 3.5) == 4.5
+    assert driver.mixed_target(["--enable-mixed-chunk"], 3.5, 3.0) == 10.5  # --mixed-target-factors 1.3,3
+    assert driver.mixed_target([], 3.5, 3.0) == driver.SGLANG_STEP_TARGET_MS

@@ -3,7 +3,7 @@
 import pytest
 
 from prefill_accel.scheduling.prefills import Chunk, PartialPrefills, aged_remaining, water_level, whole_beside
-from prefill_accel.scheduling.step_budget import STARVATION_STEPS, PrefillTime, check_target
+from prefill_accel.scheduling.step_budget import FIXED_FLOOR_STEPS, STARVATION_STEPS, PrefillTime, check_target
 from prefill_accel.scheduling.step_time import StepTimeModel, attention_pairs
 
 MAX_MODEL_LEN = 131072
@@ -217,6 +217,25 @@ def test_a_fixed_prefill_cost_above_what_the_decodes_leave_does_not_hold_a_new_p
     assert budget.limit_tokens(0, 300) == 0  # the step's time is spent: a second prompt waits
     budget.start(decode_tokens=3, decode_pairs=3 * 600)
     assert budget.limit_tokens(90000, 4096) == 0  # reading 90K keys (~14 ms) does not fit 1.5 ms
+
+
+def test_a_target_that_leaves_chunks_only_the_fixed_cost_floor_is_said_once_with_the_target_that_would_not(caplog):
+    """SGLang run 6 (H100, 2026-12-07): a 4.4 ms target beside decodes of 2.2 ms and a fitted fixed prefill
+    cost of 1.9 ms left every step with a prefill the floor alone, so chats went in 250-token pieces, each
+    a batch over the target. After FIXED_FLOOR_STEPS such steps one warning says so and names the target
+    that keeps them within it (the decodes and twice that cost); a target above it says nothing."""
+    with caplog.at_level("WARNING", logger="prefill_accel.scheduling"):
+        for target_ms in (3.0, 6.0):  # decodes ~2 ms and carrying a prefill 1.5 ms: 3 ms is below 5
+            budget = fitted_budget(target_ms)
+            for _ in range(2 * FIXED_FLOOR_STEPS):
+                budget.start(decode_tokens=3, decode_pairs=3 * 600)
+                for _ in range(2):  # counted once per step
+                    budget.limit_tokens(0, 300)
+                budget.charge(0, 300)
+    [warning] = [r.getMessage() for r in caplog.records if "carrying a prefill costs" in r.getMessage()]
+    floor_ms = (budget.model.decode_seconds(3, 3 * 600) + 2 * budget.model.prefill_step_seconds) * 1e3
+    assert warning.startswith("--max-step-latency-ms 3.0 leaves a prefill chunk beside the running decodes")
+    assert f"runs at about {floor_ms:.1f} ms" in warning and "A target of at least that" in warning
 
 
 def test_prefills_keep_the_floor_when_decodes_alone_exceed_the_target():

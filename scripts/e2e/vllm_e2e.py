@@ -895,17 +895,20 @@ def mixed_stage(results: dict, gpus: str, tok, corpus: Corpus, model: Path, args
                "long": corpus.window(args.mixed_long, 99), "warm_long": corpus.window(args.mixed_long // 2, 98)}  # fmt: skip
     table = {}
     engine_args = shlex.split(args.mixed_engine_args)
-    target = args.mixed_target_ms
-    if target is None:
+    targets = [args.mixed_target_ms]
+    if args.mixed_target_ms is None:
         with serving("mixed-upstream", "upstream", gpus, model, 8103, []) as upstream:
             table["upstream defaults"] = run_mixed(upstream, prompts, args)
-        target = mixed_target(engine_args, table["upstream defaults"]["unloaded"]["itl_p99_ms"])
+        itl_p99 = table["upstream defaults"]["unloaded"]["itl_p99_ms"]
+        targets = list(dict.fromkeys(mixed_target(engine_args, itl_p99, float(factor))
+                                     for factor in args.mixed_target_factors.split(",")))  # fmt: skip
         if engine_args:  # what the engine arguments alone do, apart from the scheduler flags
             with serving("mixed-upstream-args", "upstream", gpus, model, 8102, engine_args) as upstream:
                 table["upstream, " + " ".join(engine_args)] = run_mixed(upstream, prompts, args)
     # Chunks stay below --sparse-prefill-min-len here: on this model the sparse path does not pay
     # off below 16K-token chunks (chunk_bench), so the scheduler flags are what this run compares.
-    for i, backend in enumerate(args.mixed_backends.split(",")):
+    servers = [(target, backend) for target in targets for backend in args.mixed_backends.split(",")]
+    for i, (target, backend) in enumerate(servers):
         flags = mixed_flags(backend, target) + engine_args
         label = "patched, " + " ".join(flags)
         label += f" (server {i + 1})" if label in table else ""  # a backend listed twice, for an A/B/A run
@@ -927,14 +930,14 @@ def mixed_stage(results: dict, gpus: str, tok, corpus: Corpus, model: Path, args
 SGLANG_STEP_TARGET_MS = 20.0
 
 
-def mixed_target(engine_args: list[str], upstream_itl_p99_ms: float) -> float:
+def mixed_target(engine_args: list[str], upstream_itl_p99_ms: float, factor: float = 1.3) -> float:
     """The patched mixed-load server's --max-step-latency-ms. Where the decodes ride in the step (vLLM;
     SGLang with --enable-mixed-chunk) the target bounds the decode interval, so it comes from upstream's
-    unloaded decode latency (its p99), as an operator would set it; SGLang's prefill-only batches are timed
-    for the chats' TTFT instead (SGLANG_STEP_TARGET_MS)."""
+    unloaded decode latency (``factor`` times its p99), as an operator would set it; SGLang's prefill-only
+    batches are timed for the chats' TTFT instead (SGLANG_STEP_TARGET_MS)."""
     if ENGINE == "sglang" and "--enable-mixed-chunk" not in engine_args:
         return SGLANG_STEP_TARGET_MS
-    return max(round(1.3 * upstream_itl_p99_ms, 1), 4.0)
+    return max(round(factor * upstream_itl_p99_ms, 1), 4.0)
 
 
 def mixed_flags(backend: str, target_ms: float) -> list[str]:
@@ -1400,6 +1403,9 @@ def main() -> None:
                         "server; given, the upstream server is not run (default: on vLLM 1.3x upstream's unloaded "
                         "ITL p99, as on SGLang with --enable-mixed-chunk in --mixed-engine-args; else on SGLang "
                         "SGLANG_STEP_TARGET_MS, 20)")
+    parser.add_argument("--mixed-target-factors", default="1.3", help="comma-separated multiples of upstream's "
+                        "unloaded ITL p99, one patched mixed-load server per resulting target (and backend), where "
+                        "the target comes from it (no --mixed-target-ms): a higher target admits more chats whole")
     parser.add_argument("--mixed-backends", default="SPARSE_PREFILL", help="comma-separated --attention-backend "
                         "values, one patched mixed-load server each, in this order, same scheduler flags; "
                         "'default' leaves vLLM's choice (the scheduler flags alone)")

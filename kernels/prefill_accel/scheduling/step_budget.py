@@ -12,6 +12,9 @@ from .step_time import StepTimeModel
 
 # Consecutive steps whose decodes alone exceed the target before that is reported.
 UNREACHABLE_STEPS = 100
+# Steps whose prefill chunks got only the fixed-cost floor (the decodes leave less than twice the fixed
+# cost of carrying a prefill, so no such step meets the target) before that is reported.
+FIXED_FLOOR_STEPS = 16
 # Consecutive steps in which every prefill chunk was refused (its context alone costs more than the
 # time the decodes leave) before one step lets prefill chunks through uncapped: at most one step in
 # this many runs over the target, fewer than 1%, and a long prompt still moves while decodes run.
@@ -45,7 +48,9 @@ class PrefillTime:
     little progress. What carrying a prefill costs the step (the model's fixed prefill cost) is paid
     whatever the chunk's size, so the step's chunks always get at least that much time for their own
     costs, however little the decodes leave: a step that carries a prefill is predicted at no more than
-    the target or its decodes plus twice that cost, whichever is more. Refusing instead would not bring
+    the target or its decodes plus twice that cost, whichever is more (where the decodes leave less than
+    twice that cost no such step meets the target: after FIXED_FLOOR_STEPS of them a warning names the
+    target that would). Refusing instead would not bring
     any prefill step within the target, only hold a new request back until the decodes end (SGLang run 4,
     docs/sglang-0.5.md: chats waited for others' decodes, TTFT p99 247 ms unloaded). Until a step with a
     prefill chunk has been timed (the model knows nothing of their cost), a chunk gets
@@ -67,6 +72,8 @@ class PrefillTime:
         self._starved_steps = 0
         self._steps_over_target = 0
         self._warned = False
+        self._fixed_floor_steps = 0
+        self._fixed_floor_counted = False
         self.stats = BudgetStats.from_env()
 
     def start(self, decode_tokens: int, decode_pairs: int, others_waiting: bool = False) -> None:
@@ -78,6 +85,7 @@ class PrefillTime:
         self.seconds_left = None
         self._prefill_granted = 0
         self._refused = False
+        self._fixed_floor_counted = False
         if self.target_s is None or not (decode_tokens or others_waiting) or not self.model.ready:
             return
         self.seconds_left = self.target_s - self.model.decode_seconds(decode_tokens, decode_pairs)
@@ -118,6 +126,8 @@ class PrefillTime:
         if not self.model.prefills_timed:
             allowed = self.min_prefill_tokens  # a probe: its step's time starts the prefill fit
         else:
+            if not self._prefill_granted and 0.0 < self.seconds_left < 2.0 * self.model.prefill_step_seconds:
+                self._count_fixed_floor()
             available = self.prefill_seconds if seconds is None else min(seconds, self.prefill_seconds)
             allowed = self.model.max_chunk(available, context)
             if allowed is None:
@@ -133,6 +143,24 @@ class PrefillTime:
             self._refused = True
         self.stats.chunk(num_new_tokens, min(num_new_tokens, allowed))
         return min(num_new_tokens, allowed)
+
+    def _count_fixed_floor(self) -> None:
+        """A step whose chunks get the fixed-cost floor: it cannot meet the target. Said once, after
+        FIXED_FLOOR_STEPS such steps, with the target that would leave its chunks time of their own."""
+        if self._fixed_floor_counted:
+            return
+        self._fixed_floor_counted = True
+        self._fixed_floor_steps += 1
+        if self._fixed_floor_steps == FIXED_FLOOR_STEPS:
+            decodes = self.target_s - self.seconds_left
+            fixed = self.model.prefill_step_seconds
+            logger.warning(
+                "--max-step-latency-ms %.1f leaves a prefill chunk beside the running decodes less time than "
+                "carrying a prefill costs (decodes %.1f ms, carrying a prefill %.1f ms, over %d steps): such a "
+                "step gets that cost's worth for its chunks and runs at about %.1f ms, over the target, and a "
+                "prompt is split over several of them. A target of at least that keeps them within it.",
+                self.target_s * 1e3, decodes * 1e3, fixed * 1e3, FIXED_FLOOR_STEPS, (decodes + 2 * fixed) * 1e3,
+            )  # fmt: skip
 
     @property
     def granted_tokens(self) -> int:
