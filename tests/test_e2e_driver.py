@@ -507,3 +507,26 @@ def test_the_step_target_follows_upstreams_decode_latency_where_decodes_ride_in_
     assert driver.mixed_target(["--enable-mixed-chunk"], 3.5) == 4.5
     assert driver.mixed_target(["--enable-mixed-chunk"], 3.5, 3.0) == 10.5  # --mixed-target-factors 1.3,3
     assert driver.mixed_target([], 3.5, 3.0) == driver.SGLANG_STEP_TARGET_MS
+
+
+def test_a_failed_stage_names_the_last_exception_of_each_server_it_started(driver, tmp_path, monkeypatch, capsys):
+    """vLLM 0.6.3's server failed every request after its 200 header (outlines could not be imported): the
+    client saw only a stream that ended early; the stage's failure now carries the server log's reason."""
+    logs = [tmp_path / "earlier.log", tmp_path / "serve-upstream.log", tmp_path / "serve-patched.log"]
+    logs[0].write_text("ValueError: a failure of an earlier stage\n")
+    logs[1].write_text("INFO started\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+                       "ModuleNotFoundError: No module named 'pyairports'\nINFO still serving\n")
+    logs[2].write_text("INFO started\n")
+    monkeypatch.setattr(driver, "SERVER_LOGS", logs[:1])
+    monkeypatch.setattr(driver, "OUT_DIR", tmp_path, raising=False)
+
+    def stage():
+        driver.SERVER_LOGS.extend(logs[1:])
+        raise RuntimeError("POST /v1/completions: the stream ended before its last event")
+
+    results = {}
+    driver.run_stage(results, "v0_serve", stage)
+    said = capsys.readouterr().out
+    assert "serve-upstream.log: ModuleNotFoundError: No module named 'pyairports'" in said
+    assert "earlier.log" not in said and "serve-patched.log" not in said
+    assert "pyairports" in results["errors"]["v0_serve"]

@@ -141,6 +141,13 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return ""
 
 
+def last_exception(path: Path) -> str:
+    """The last line of a log that names a raised exception ("ImportError: ..."), or "": a server that fails a
+    request after its 200 header ends the stream early, and only its log says why."""
+    raised = [line for line in log_tail(path, 2000).splitlines() if re.match(r"[\w.]*(Error|Exception): ", line)]
+    return raised[-1] if raised else ""
+
+
 # --------------------------------------------------------------------------------------------- engines
 
 
@@ -212,6 +219,7 @@ class Server:
     def __init__(self, name: str, side: str, gpus: str, model: Path, port: int, args: list[str]):
         self.name, self.side, self.port, self.model = name, side, port, str(model)
         self.log = LOGS / f"{name}.log"
+        SERVER_LOGS.append(self.log)
         max_len = long_len(model.name)
         env = side_env(side, gpus)
         if ENGINE == "vllm-v0":
@@ -772,6 +780,7 @@ def offline_phase(results: dict, gpus: str, args) -> None:
 
 
 SKIP: set[str] = set()
+SERVER_LOGS: list[Path] = []  # every server's log, in start order: a failed stage names its servers' last exceptions
 
 
 def run_stage(results: dict, name: str, stage) -> None:
@@ -780,11 +789,13 @@ def run_stage(results: dict, name: str, stage) -> None:
         return
     t0 = time.monotonic()
     error_text = None
+    servers = len(SERVER_LOGS)
     try:
         stage()
     except Exception as error:  # one failing stage must not lose the others' results
-        say(f"stage {name} FAILED: {error}")
-        error_text = f"{error}\n{traceback.format_exc()[-3000:]}"
+        raised = "".join(f"\n  {log.name}: {line}" for log in SERVER_LOGS[servers:] if (line := last_exception(log)))
+        say(f"stage {name} FAILED: {error}{raised}")
+        error_text = f"{error}{raised}\n{traceback.format_exc()[-3000:]}"
     with RESULTS_LOCK:  # stages of one group run in threads: the dump reads a copy taken under the lock
         if error_text is not None:
             results.setdefault("errors", {})[name] = error_text

@@ -8,6 +8,7 @@ Fast and without a builder: the images themselves are built and run by test_imag
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -170,13 +171,28 @@ def test_a_venv_build_installs_the_cuda_dependencies_where_a_gpu_is_listed_or_as
     if gpu:
         constraints = tmp_path / "v" / "prefill-accel-constraints.txt"
         assert installs == [["install", "-q", "-c", str(constraints), wheel]]
-        assert constraints.read_text().splitlines() == ["transformers==4.46.3", "tokenizers==0.20.3"]
+        assert constraints.read_text().splitlines() == ["transformers==4.46.3", "tokenizers==0.20.3", "pyarrow<26"]
+        # after the install step, the modules vLLM 0.6.3 imports on a request's first use
+        assert [cmd[1:] for cmd in venv_steps[-2:]] == [["-c", "import outlines"], ["-c", "import lmformatenforcer"]]
+        del venv_steps[-2:]
     else:
         assert installs == [["install", "-q", "--no-deps", "-r", str(ROOT / "docker/requirements/vllm-0.6.3.post1-cpu.txt")],
                             ["install", "-q", "--no-deps", wheel]]  # fmt: skip
     assert venv_steps[-1][:3] == ["bash", str(ROOT / "scripts/install-into-env.sh"), target]
     out = capsys.readouterr().out
     assert ("and its CUDA dependencies." if gpu else "and its CPU import/test dependencies (no GPU runs).") in out
+
+
+def test_a_gpu_venv_build_warns_once_for_each_module_a_feature_imports_on_first_use_that_does_not_import(
+        monkeypatch, tmp_path, targets):  # fmt: skip
+    """vLLM 0.6.3 imports its guided-decoding backends on a request's first use, not at startup: the build
+    imports them with the new environment's python and names the feature each failing one would break."""
+    target = dataclasses.replace(targets.resolve("vllm-0.6.x"), gpu_first_use_imports=(
+        "json the JSON codec", "prefill_accel_no_such_module guided decoding with the outlines backend"))
+    failures = envbuild.first_use_import_failures(target, Path(sys.executable))
+    assert failures == ["`import prefill_accel_no_such_module` fails in this environment (ModuleNotFoundError: No module "
+                        "named 'prefill_accel_no_such_module'): guided decoding with the outlines backend fails when "
+                        "first used"]  # fmt: skip
 
 
 @pytest.mark.parametrize("python_tag, wheel", [

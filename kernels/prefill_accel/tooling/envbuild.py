@@ -46,7 +46,24 @@ def build_venv(target: Target, root: Path, venv: Path, progress: Progress, gpu: 
     with progress.step(f"Running {INSTALL_SCRIPT} (the image's install step)"):
         env = dict(os.environ, PREFILL_ACCEL_TOOL_PYTHON=sys.executable)
         _run(["bash", str(root / INSTALL_SCRIPT), target.name, "--python", str(python)], env=env)
+    if gpu:
+        for warning in first_use_import_failures(target, python):
+            progress.note(f"warning: {warning}")
     return python
+
+
+def first_use_import_failures(target: Target, python: Path) -> list[str]:
+    """One line for each of the target's gpu_first_use_imports that the environment's python cannot import:
+    the module, its error, and the feature that would fail on first use instead of at startup."""
+    failures = []
+    for entry in target.gpu_first_use_imports:
+        module, _, feature = entry.partition(" ")
+        try:
+            _run([str(python), "-c", f"import {module}"])
+        except ToolingError as error:
+            failures.append(f"`import {module}` fails in this environment ({str(error).splitlines()[-1]}): "
+                            f"{feature} fails when first used")  # fmt: skip
+    return failures
 
 
 def cached_test_env(target: Target, root: Path, progress: Progress) -> Path:

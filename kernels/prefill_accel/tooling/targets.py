@@ -49,6 +49,9 @@ class Target:
     gpu_wheels: tuple[str, ...] = ()
     """The engine's wheels for other Pythons, "FILENAME SHA256" each: `build --venv --gpu` installs the one
     that fits the environment's Python where ``wheel`` (pinned for the CPU tests' Python) does not."""
+    gpu_first_use_imports: tuple[str, ...] = ()
+    """Modules the engine imports on a feature's first use (a request), not at startup, "MODULE FEATURE"
+    each: `build --venv --gpu` imports each and names the features that would fail where one does not."""
     overlay_replaces: tuple[str, ...] = ()
     run_example: str = ""
 
