@@ -9,9 +9,11 @@
 # awaited the same way in $STAGE_DIR (until $STAGE_DIR/complete). Nothing before the GPU phase needs
 # the GPU: started while a device-run.sh / device-session.sh run is under way, it waits for that run's
 # /tmp/e2e/done. Everything goes to /tmp/e2e-v0 (run.log, out/, logs/, done) for
-# `device-wait.sh SECONDS /tmp/e2e-v0`. With UPSTREAM_GPU_TESTS=1, upstream 0.6.3's GPU tests run on the
-# unpatched and the patched engine first (device-verify-gpu.sh, from stage-verify-gpu.sh's piece in
-# /tmp/verify-gpu), their report in out/verify-gpu.txt.
+# `device-wait.sh SECONDS /tmp/e2e-v0`. With UPSTREAM_GPU_TESTS=1 (or =after), upstream 0.6.3's GPU tests run
+# on the unpatched and the patched engine before (after) the phase (device-verify-gpu.sh, from
+# stage-verify-gpu.sh's piece in /tmp/verify-gpu), their report in out/verify-gpu.txt; on an H100 they took
+# more than 5 minutes a side (tests/kernels/test_flash_attn.py: 432 cases), so =after keeps them from
+# delaying the phase's measurements.
 #
 # Usage (project root): mkdir -p /tmp/e2e-v0 && setsid nohup bash scripts/e2e/device-v0.sh [vllm_e2e.py ARGS...] \
 #   > /tmp/e2e-v0/run.log 2>&1 &
@@ -41,10 +43,14 @@ vllm.__file__, 'sparse flags:', hasattr(a.EngineArgs, 'sparse_prefill_threshold'
 done
 wait_for_gpu_run
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-if [[ "${UPSTREAM_GPU_TESTS:-0}" == 1 ]]; then  # before the phase, which may run until the device time ends
+upstream_gpu_tests() {
   bash scripts/e2e/device-verify-gpu.sh vllm-0.6.x "$venv" "$run/verify-gpu" 2>&1 | tee "$run/out/verify-gpu.txt" || true
   cp "$run"/verify-gpu/*.xml "$run/out/" 2>/dev/null || true  # each test's outcome (junit), for the record
-fi
+}
+[[ "${UPSTREAM_GPU_TESTS:-0}" == 1 ]] && upstream_gpu_tests
 echo "== vllm_e2e.py --phases v0 $*"
+status=0
 E2E_V0_VENV="$venv" E2E_V0_UPSTREAM="$upstream" E2E_LOGS="$run/logs" PYTHONUNBUFFERED=1 \
-  python3 scripts/e2e/vllm_e2e.py --phases v0 --out "$run/out" "$@"
+  python3 scripts/e2e/vllm_e2e.py --phases v0 --out "$run/out" "$@" || status=$?
+[[ "${UPSTREAM_GPU_TESTS:-0}" == after ]] && upstream_gpu_tests
+exit "$status"
