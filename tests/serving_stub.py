@@ -32,7 +32,9 @@ class Failure:
     action: str
     """"500", "503", "429" (that HTTP status), "drop" (close the connection after two tokens), "abort" (end the
     stream after two tokens with finish_reason "abort", as vLLM does for a request it dropped), "bad-utf8" (an
-    event that is not UTF-8 after two tokens), "choices-object" (an event whose choices are an object)."""
+    event that is not UTF-8 after two tokens), "choices-object" (an event whose choices are an object), "empty"
+    (the 200 header, then the stream's end without an event, as vLLM 0.6.3's server did for a request it failed
+    after accepting it)."""
     when: str | None
     """Only prompts containing this text (None: any prompt)."""
     times: int
@@ -129,6 +131,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
+        if action == "empty":
+            return self.chunk(b"")
         base = {"id": "cmpl-stub", "created": int(time.time()), "model": state.model}
         if chat:
             self.event({**base, "object": "chat.completion.chunk",

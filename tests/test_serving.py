@@ -116,6 +116,10 @@ def test_a_stream_must_end_as_a_complete_answer():
         stub.fail("choices-object")
         with pytest.raises(ServerError, match="choices are not a list"):
             client.stream_completion(server, "chat", MODEL, "hello", 8)
+        stub.fail("empty")
+        with pytest.raises(TransientServerError, match=r"accepted the request \(200\) and closed its stream without an "
+                                                       r"event: it failed the request after accepting it"):  # fmt: skip
+            client.stream_completion(server, "completions", MODEL, "hello", 8)
         assert client.stream_completion(server, "chat", MODEL, "hello", 8).finish_reason == "length"
     for reason in ("content_filter", "something-else"):
         with pytest.raises(ServerError, match=f"finish_reason '{reason}'") as failure:

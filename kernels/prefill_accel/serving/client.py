@@ -294,7 +294,9 @@ def stream_completion(server: Server, api: str, model: str, prompt: str, max_tok
         usage: dict = {}
         finish_reason = None
         done = False
+        events = 0
         for data in sse_data(iter(response.readline, b"")):
+            events += 1
             if data.strip() == "[DONE]":
                 done = True
                 break
@@ -333,6 +335,9 @@ def stream_completion(server: Server, api: str, model: str, prompt: str, max_tok
             cancel.unregister(connection)
     if cancel is not None:
         cancel.check()
+    if not done and finish_reason is None and not events:
+        raise TransientServerError(f"{where}: the server accepted the request (200) and closed its stream without "
+                                   "an event: it failed the request after accepting it (the server's log says why)")  # fmt: skip
     if not done and finish_reason is None:
         raise TransientServerError(f"{where}: the stream ended before its last event")
     if first is None:
