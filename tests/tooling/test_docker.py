@@ -183,8 +183,7 @@ def test_a_venv_build_installs_the_cuda_dependencies_where_a_gpu_is_listed_or_as
     assert ("and its CUDA dependencies." if gpu else "and its CPU import/test dependencies (no GPU runs).") in out
 
 
-def test_a_gpu_venv_build_warns_once_for_each_module_a_feature_imports_on_first_use_that_does_not_import(
-        monkeypatch, tmp_path, targets):  # fmt: skip
+def test_a_gpu_venv_build_names_each_module_a_feature_imports_on_first_use_that_does_not_import(targets):
     """vLLM 0.6.3 imports its guided-decoding backends on a request's first use, not at startup: the build
     imports them with the new environment's python and names the feature each failing one would break."""
     target = dataclasses.replace(targets.resolve("vllm-0.6.x"), gpu_first_use_imports=(
