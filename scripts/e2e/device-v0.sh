@@ -6,9 +6,10 @@
 # The models are those device-run.sh converted into /tmp/hf; where Qwen2.5-Coder-1.5B or SmolLM2 is not there, the
 # pieces of `STAGE_VLLM=0 STAGE_MODELS="qwen2.5-coder-1.5b smollm2" scripts/e2e/stage.sh` are awaited in /tmp/stage
 # (until a call writes /tmp/stage/complete) and converted here. The pieces of stage-gpu-build.sh are
-# awaited the same way in $STAGE_DIR (until $STAGE_DIR/complete). Nothing before the GPU phase needs
-# the GPU: started while a device-run.sh / device-session.sh run is under way, it waits for that run's
-# /tmp/e2e/done. Everything goes to /tmp/e2e-v0 (run.log, out/, logs/, done) for
+# awaited the same way in $STAGE_DIR (until $STAGE_DIR/complete), and the build runs beside the models' wait
+# (its log in logs/gpu-build.log), so staging the wheels first overlaps the build with the models' calls.
+# Nothing before the GPU phase needs the GPU: started while a device-run.sh / device-session.sh run is under
+# way, it waits for that run's /tmp/e2e/done. Everything goes to /tmp/e2e-v0 (run.log, out/, logs/, done) for
 # `device-wait.sh SECONDS /tmp/e2e-v0`. With UPSTREAM_GPU_TESTS=1 (or =after), upstream 0.6.3's GPU tests run
 # on the unpatched and the patched engine before (after) the phase (device-verify-gpu.sh, from
 # stage-verify-gpu.sh's piece in /tmp/verify-gpu), their report in out/verify-gpu.txt; on an H100 they took
@@ -28,15 +29,23 @@ run=/tmp/e2e-v0
 source "$root/scripts/e2e/device-staging.sh"
 start_run "$run" "$root"
 
+build_sides() {  # the patched environment and the upstream engine beside it
+  if [[ ! -f "$venv/.built" ]]; then
+    [[ -f "$stage/wheels/ENGINE_WHEEL" ]] || { echo "== waiting for the staged wheels ($stage/complete)"; wait_for "$stage/complete"; }
+    bash scripts/e2e/device-gpu-build.sh vllm-0.6.x "$venv" || return
+    touch "$venv/.built"
+  fi
+  if [[ ! -d "$upstream/vllm" ]]; then
+    "$venv/bin/python" -m pip install -q --no-index --no-deps --no-compile --target "$upstream" \
+      "$stage/wheels/$(cat "$stage/wheels/ENGINE_WHEEL")"
+  fi
+}
+# The build runs while the models' pieces arrive and convert (stage the wheels first: the build takes longer).
+build_sides > "$run/logs/gpu-build.log" 2>&1 &
+build=$!
 staged_model qwen2.5-coder-1.5b smollm2
-if [[ ! -f "$venv/.built" ]]; then
-  [[ -f "$stage/wheels/ENGINE_WHEEL" ]] || { echo "== waiting for the staged wheels ($stage/complete)"; wait_for "$stage/complete"; }
-  bash scripts/e2e/device-gpu-build.sh vllm-0.6.x "$venv" && touch "$venv/.built"
-fi
-if [[ ! -d "$upstream/vllm" ]]; then
-  "$venv/bin/python" -m pip install -q --no-index --no-deps --no-compile --target "$upstream" \
-    "$stage/wheels/$(cat "$stage/wheels/ENGINE_WHEEL")"
-fi
+wait "$build" || { echo "the GPU environment's build failed:" >&2; tail -n 40 "$run/logs/gpu-build.log" >&2; exit 1; }
+cat "$run/logs/gpu-build.log"
 for path in "$upstream" ""; do
   PYTHONPATH="$path" "$venv/bin/python" -c "import vllm, vllm.engine.arg_utils as a; print('vllm', vllm.__version__, \
 vllm.__file__, 'sparse flags:', hasattr(a.EngineArgs, 'sparse_prefill_threshold'))"
