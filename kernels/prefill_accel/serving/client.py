@@ -294,9 +294,9 @@ def stream_completion(server: Server, api: str, model: str, prompt: str, max_tok
         usage: dict = {}
         finish_reason = None
         done = False
-        events = 0
+        any_event = False
         for data in sse_data(iter(response.readline, b"")):
-            events += 1
+            any_event = True
             if data.strip() == "[DONE]":
                 done = True
                 break
@@ -335,10 +335,10 @@ def stream_completion(server: Server, api: str, model: str, prompt: str, max_tok
             cancel.unregister(connection)
     if cancel is not None:
         cancel.check()
-    if not done and finish_reason is None and not events:
-        raise TransientServerError(f"{where}: the server accepted the request (200) and closed its stream without "
-                                   "an event: it failed the request after accepting it (the server's log says why)")  # fmt: skip
     if not done and finish_reason is None:
+        if not any_event:
+            raise TransientServerError(f"{where}: the server accepted the request (200) and closed its stream without "
+                                       "an event: it failed the request after accepting it (the server's log says why)")  # fmt: skip
         raise TransientServerError(f"{where}: the stream ended before its last event")
     if first is None:
         raise ServerError(f"{where}: the server streamed no text (finish_reason {finish_reason})")
