@@ -114,11 +114,23 @@ def test_v0_engines_get_the_backend_chunking_cache_and_rope_scaling_in_vllm_06_t
     assert v0 != tmp_path / driver.QWEN and (v0 / "model.safetensors").resolve() == tmp_path / driver.QWEN / "model.safetensors"
     config = json.loads((v0 / "config.json").read_text())
     assert config["rope_theta"] == 1e6 and config["torch_dtype"] == "bfloat16" and "rope_type" not in config
-    assert "extra_special_tokens" not in json.loads((v0 / "tokenizer_config.json").read_text())
+    tokenizer = json.loads((v0 / "tokenizer_config.json").read_text())
+    assert "extra_special_tokens" not in tokenizer and tokenizer["tokenizer_class"] == "Qwen2Tokenizer"
     # Past the training length without a documented scaling (SmolLM2's speed runs) V0 has no override.
     qwen_checkpoint(tmp_path, "smollm2")
     with pytest.raises(driver.EngineError, match="hf_overrides"):
         driver.v0_engine(driver.engine_kwargs("smollm2", max_model_len=132096, chunk=16384, eager=False))
+
+
+def test_a_v0_checkpoint_names_a_tokenizer_json_only_tokenizer_by_the_class_transformers_446_has(driver, tmp_path,
+                                                                                               monkeypatch):  # fmt: skip
+    """SmolLM2 converted by transformers 5 names its tokenizer TokenizersBackend; 4.46 (vLLM 0.6.3's) failed
+    to load it on the H100 (run 3, 2026-12-07: "Tokenizer class TokenizersBackend does not exist")."""
+    monkeypatch.setattr(driver, "MODELS", tmp_path)
+    qwen_checkpoint(tmp_path, "smollm2")
+    (tmp_path / "smollm2" / "tokenizer_config.json").write_text('{"tokenizer_class": "TokenizersBackend"}')
+    v0 = driver.v0_checkpoint("smollm2")
+    assert json.loads((v0 / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
 
 
 # ServerArgs fields of SGLang 0.5.16 (read in its wheel's sglang/srt/server_args.py) and the patch's flags.
@@ -194,10 +206,14 @@ def test_a_v0_server_takes_the_backend_from_the_environment_and_keeps_v0_default
     assert json.loads(command[command.index("--rope-scaling") + 1])["rope_type"] == "yarn"
     assert {"--enable-prefix-caching", "--enable-chunked-prefill"} <= set(command)
     assert command[-2:] == ["--max-num-batched-tokens", "16384"]
+    # Upstream 0.6.3 imports its default guided backend, outlines, for every request (run 3 on the H100,
+    # 2026-12-07: each request failed on `No module named 'pyairports'`); both sides take lm-format-enforcer.
+    assert command[command.index("--guided-decoding-backend") + 1] == "lm-format-enforcer"
     # The scheduler's flags need chunked prefill; upstream at its defaults keeps V0's own choice.
     assert "--enable-chunked-prefill" in driver.v0_server(driver.QWEN, 8104, driver.mixed_flags("default", 20.0))[0]
     defaults, env = driver.v0_server(driver.QWEN, 8103, [])
     assert env == {} and "--enable-chunked-prefill" not in defaults
+    assert defaults[defaults.index("--guided-decoding-backend") + 1] == "lm-format-enforcer"
 
 
 def test_the_v0_phase_runs_alone(driver, monkeypatch, capsys):

@@ -309,8 +309,9 @@ def prompt_len(model: str, length: int, room: int = 64) -> int:
 def v0_checkpoint(model: str) -> Path:
     """The converted checkpoint as vLLM 0.6.3's transformers (4.46) reads it, beside the original
     (weights and other files linked): transformers 5 writes rope_theta inside rope_parameters, where 4.46
-    does not look (it would take its default base, silently), and writes extra_special_tokens as a list,
-    which 4.46's tokenizer loader cannot read."""
+    does not look (it would take its default base, silently), writes extra_special_tokens as a list,
+    which 4.46's tokenizer loader cannot read, and names a tokenizer read from tokenizer.json alone
+    TokenizersBackend, a class 4.46 does not have (SmolLM2's; its PreTrainedTokenizerFast reads the same file)."""
     source, target = MODELS / model, MODELS / "v0" / model
     target.mkdir(parents=True, exist_ok=True)
     for path in source.iterdir():
@@ -326,6 +327,8 @@ def v0_checkpoint(model: str) -> Path:
     tokenizer = json.loads((source / "tokenizer_config.json").read_text())
     if isinstance(tokenizer.get("extra_special_tokens"), list):
         del tokenizer["extra_special_tokens"]
+    if tokenizer.get("tokenizer_class") == "TokenizersBackend":  # 5's generic tokenizer.json class, 4.46's name
+        tokenizer["tokenizer_class"] = "PreTrainedTokenizerFast"
     (target / "tokenizer_config.json").write_text(json.dumps(tokenizer, indent=1))
     return target
 
@@ -406,7 +409,10 @@ def v0_server(model: str, port: int, args: list[str]) -> tuple[list[str], dict[s
     count, the rope scaling, the checkpoint V0 reads) with prefix caching on as 0.26's default. Chunked
     prefill is asked for wherever the run sets flags (a step budget, or the scheduler's flags, which need
     it); a run with none keeps V0's own default (on a GPU, chunked prefill past 32K tokens of
-    max_model_len), as an operator of upstream 0.6.3 sees it."""
+    max_model_len), as an operator of upstream 0.6.3 sees it. Both sides take lm-format-enforcer as the
+    guided-decoding backend: upstream 0.6.3 builds a guide for every request and so imports its default
+    backend, outlines, on each, which cannot be imported where the index's only pyairports is empty (the
+    front door's --gpu environment); a request without a guide is served alike by either backend."""
     args = list(args)
     backend = take_flag(args, "--attention-backend")
     env = {"VLLM_ATTENTION_BACKEND": backend} if backend else {}
@@ -416,7 +422,7 @@ def v0_server(model: str, port: int, args: list[str]) -> tuple[list[str], dict[s
                "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--seed", "0",
                "--max-model-len", str(max_len), "--gpu-memory-utilization", str(V0_GPU_UTIL),
                "--num-gpu-blocks-override", str(kwargs["num_gpu_blocks_override"]), "--block-size", "16",
-               "--enable-prefix-caching"]  # fmt: skip
+               "--enable-prefix-caching", "--guided-decoding-backend", "lm-format-enforcer"]  # fmt: skip
     if "rope_scaling" in kwargs:
         command += ["--rope-scaling", json.dumps(kwargs["rope_scaling"])]
     if args or env:
