@@ -13,8 +13,8 @@
 # `device-wait.sh SECONDS /tmp/e2e-v0`. With UPSTREAM_GPU_TESTS=1 (or =after), upstream 0.6.3's GPU tests run
 # on the unpatched and the patched engine before (after) the phase (device-verify-gpu.sh, from
 # stage-verify-gpu.sh's piece in /tmp/verify-gpu), their report in out/verify-gpu.txt; on an H100 they took
-# more than 5 minutes a side (tests/kernels/test_flash_attn.py: 432 cases), so =after keeps them from
-# delaying the phase's measurements.
+# more than 5 minutes a side when the sides ran one after the other (tests/kernels/test_flash_attn.py: 432
+# cases; verify now runs them at once), so =after keeps them from delaying the phase's measurements.
 #
 # Usage (project root): mkdir -p /tmp/e2e-v0 && setsid nohup bash scripts/e2e/device-v0.sh [vllm_e2e.py ARGS...] \
 #   > /tmp/e2e-v0/run.log 2>&1 &

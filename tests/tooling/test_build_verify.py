@@ -18,8 +18,9 @@ import pytest
 
 from prefill_accel.errors import UsageError
 from prefill_accel.tooling.targets import target_from_toml
-from prefill_accel.tooling.verify import (FAILED, OFFLINE_REVISION, PASSED, SKIPPED, Harness, check_tests_exist,
-                                          offline_hf_home, verify)
+from prefill_accel.tooling.errors import ToolingError
+from prefill_accel.tooling.verify import (FAILED, OFFLINE_REVISION, PASSED, SKIPPED, Harness, PytestRun,
+                                          check_tests_exist, offline_hf_home, run_pytest_together, verify)
 
 from .conftest import QUIET, ROOT, VENV_TARGET, fetched
 
@@ -140,6 +141,42 @@ def test_verify_sglang_says_why_no_upstream_tests_ran_and_runs_ours(targets):
     assert "envs/sglang-0.5.16" in report.python, rendered
     assert "upstream tests, unpatched: 0 passed, 0 failed, 0 skipped (none run: SGLang publishes no sdist" in rendered
     assert report.ours.count(PASSED) == 44 and report.ours.count(SKIPPED) == 0, rendered
+
+
+RENDEZVOUS = """
+import pathlib, time
+def test_meets_the_other_side():
+    here = pathlib.Path(__file__).parent
+    (here.parent / "{me}").write_text("")
+    deadline = time.time() + 120
+    while not (here.parent / "{other}").exists():
+        assert time.time() < deadline, "the other run never started: the runs went one after the other"
+        time.sleep(0.05)
+"""
+
+
+def test_the_unpatched_and_patched_upstream_runs_go_side_by_side(tmp_path):
+    """Each side's test waits for the other's to have started, so both pass only if the two ran at once."""
+    harness = Harness((), (), {})
+    runs = []
+    for me, other in (("a", "b"), ("b", "a")):
+        (tmp_path / me).mkdir()
+        (tmp_path / me / "test_side.py").write_text(RENDEZVOUS.format(me=f"{me}.started", other=f"{other}.started"))
+        runs.append(PytestRun(sys.executable, harness, [], tmp_path / me, ["test_side.py"], tmp_path / f"{me}.xml"))
+    for outcomes in run_pytest_together(*runs):
+        assert outcomes.results == {"test_side.py::test_meets_the_other_side": PASSED}
+    assert "1 passed" in (tmp_path / "a.log").read_text()
+
+
+def test_a_side_that_writes_no_report_names_its_output_and_stops_the_other(tmp_path):
+    harness = Harness((), (), {})
+    (tmp_path / "slow").mkdir()
+    (tmp_path / "slow" / "test_slow.py").write_text("import time\ndef test_slow():\n    time.sleep(600)\n")
+    broken = PytestRun(sys.executable, harness, [], tmp_path, ["--no-such-option"], tmp_path / "broken.xml")
+    slow = PytestRun(sys.executable, harness, [], tmp_path / "slow", ["test_slow.py"], tmp_path / "slow.xml")
+    with pytest.raises(ToolingError, match="(?s)pytest did not run .*no-such-option"):
+        run_pytest_together(broken, slow)
+    assert not (tmp_path / "slow.xml").exists()
 
 
 def test_offline_hf_home_is_a_hub_cache_of_the_named_configs(tmp_path):

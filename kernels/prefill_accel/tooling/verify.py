@@ -11,11 +11,12 @@ The work directory (kept with --work):
   patched-site/          a hard-linked copy of the pinned wheel's package with the series applied to it as to
                          an installed package; the unpatched one is the wheel unpacked once into the cache
   hf-home/               an offline HF_HOME holding the config files of the target's cpu_test_models
+  unpatched.xml, patched.xml, ours.xml and each one's .log: a pytest run's junit report and its output
 Upstream tests run from the test copies with the wheel's package (unpatched or patched) first on PYTHONPATH,
-so they exercise what ships; ours run in the patched tree with its package first. Patched runs also get the
-checkout's kernels/ (the runtime package the install step adds to a patched engine). Every run uses the
-interpreter given (default: the target's cached test environment, envbuild.cached_test_env) and loads the
-target's cpu_test_plugins from ci/upstream-tests/.
+so they exercise what ships, the two sides at once; ours run in the patched tree with its package first.
+Patched runs also get the checkout's kernels/ (the runtime package the install step adds to a patched
+engine). Every run uses the interpreter given (default: the target's cached test environment,
+envbuild.cached_test_env) and loads the target's cpu_test_plugins from ci/upstream-tests/.
 
 With gpu=True (`verify --gpu`, on a machine with a GPU and the interpreter of the GPU environment that
 `build.sh --venv DIR --gpu` makes) the upstream runs are the target's gpu_tests: the wheel keeps its compiled
@@ -178,14 +179,13 @@ def verify(target: Target, root: Path, python: str | None = None, work: Path | N
             with progress.step(f"Linking a copy of {site.name} to patch"):
                 linked_copy(site, patched_site)
             apply(target, patched_site, root, progress)
-            with progress.step(f"Upstream tests, unpatched ({len(upstream_tests)} file(s))"):
-                before = run_pytest(python, harness, [site],
-                                    copy_tests(unpatched, upstream_tests, work / "unpatched-tests"),
-                                    upstream_tests, work / "unpatched.xml")
-            with progress.step("Upstream tests, patched"):
-                after = run_pytest(python, harness, [patched_site, runtime],
-                                   copy_tests(patched, upstream_tests, work / "patched-tests"),
-                                   upstream_tests, work / "patched.xml")
+            with progress.step(f"Upstream tests, unpatched and patched side by side ({len(upstream_tests)} file(s))"):
+                before, after = run_pytest_together(
+                    PytestRun(python, harness, [site], copy_tests(unpatched, upstream_tests, work / "unpatched-tests"),
+                              upstream_tests, work / "unpatched.xml"),
+                    PytestRun(python, harness, [patched_site, runtime],
+                              copy_tests(patched, upstream_tests, work / "patched-tests"), upstream_tests,
+                              work / "patched.xml"))  # fmt: skip
         else:
             reason = target.no_cpu_tests_reason if tests is None else "no upstream tests requested"
             before = after = Outcomes({}, reason)
@@ -267,22 +267,61 @@ def copy_tests(tree: Path, tests: list[str], dest: Path) -> Path:
     return dest
 
 
+@dataclasses.dataclass
+class PytestRun:
+    """pytest in cwd on tests (cwd-relative) with package_dirs first on the path, its junit report in junit and
+    its output beside it (junit with .log)."""
+
+    python: str
+    harness: Harness
+    package_dirs: list[Path]
+    cwd: Path
+    tests: list[str]
+    junit: Path
+    options: tuple[str, ...] = ()
+
+    def start(self) -> subprocess.Popen:
+        env = {**RUN_DEFAULTS, **os.environ, **self.harness.env}
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (*map(str, self.package_dirs), *map(str, self.harness.paths), env.get("PYTHONPATH", "")) if p)
+        plugins = [arg for name in self.harness.plugins for arg in ("-p", name)]
+        cmd = [self.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins, "--junitxml", str(self.junit),
+               "-o", "junit_family=xunit1", *self.options, *self.tests]  # fmt: skip
+        with self.junit.with_suffix(".log").open("w") as log:
+            return subprocess.Popen(cmd, cwd=self.cwd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+    def outcomes(self, proc: subprocess.Popen) -> Outcomes:
+        """The finished run's outcomes; a ToolingError with its output's tail where pytest wrote no report."""
+        returncode = proc.wait()
+        if not self.junit.is_file():
+            tail = "\n".join(self.junit.with_suffix(".log").read_text().strip().splitlines()[-20:])
+            raise ToolingError(f"pytest did not run in {self.cwd} (exit {returncode}):\n{tail}")
+        return parse_junit(self.junit)
+
+
 def run_pytest(python: str, harness: Harness, package_dirs: list[Path], cwd: Path, tests: list[str], junit: Path,
                *options: str) -> Outcomes:
     """Run pytest in cwd on tests (cwd-relative) with package_dirs first on the path."""
     if not tests:
         return Outcomes({})
-    env = {**RUN_DEFAULTS, **os.environ, **harness.env}
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (*map(str, package_dirs), *map(str, harness.paths), env.get("PYTHONPATH", "")) if p)
-    plugins = [arg for name in harness.plugins for arg in ("-p", name)]
-    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins, "--junitxml", str(junit),
-           "-o", "junit_family=xunit1", *options, *tests]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    if not junit.is_file():
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
-        raise ToolingError(f"pytest did not run in {cwd} (exit {proc.returncode}):\n{tail}")
-    return parse_junit(junit)
+    run = PytestRun(python, harness, package_dirs, cwd, tests, junit, options)
+    return run.outcomes(run.start())
+
+
+def run_pytest_together(*runs: PytestRun) -> list[Outcomes]:
+    """The runs at once, each its own process (the unpatched and the patched tree share nothing they write;
+    on a GPU machine each side of upstream's GPU tests took over 5 minutes, mostly torch reference code on
+    the host, so side by side they take the time of one); all stopped if one cannot be waited for."""
+    procs = []
+    try:
+        for run in runs:
+            procs.append(run.start())
+        return [run.outcomes(proc) for run, proc in zip(runs, procs)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def parse_junit(path: Path) -> Outcomes:
