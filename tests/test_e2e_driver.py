@@ -546,3 +546,36 @@ def test_a_failed_stage_names_the_last_exception_of_each_server_it_started(drive
     assert "serve-upstream.log: ModuleNotFoundError: No module named 'pyairports'" in said
     assert "earlier.log" not in said and "serve-patched.log" not in said
     assert "pyairports" in results["errors"]["v0_serve"]
+
+
+def test_a_served_pair_starts_side_by_side_on_vllm_026_and_one_at_a_time_elsewhere(driver, monkeypatch):
+    """Run 15 (H100, 2026-12-07): the two servers started one after the other and the session's device time
+    ended while the second compiled; vLLM 0.26's are given their KV cache in bytes, so both start at once."""
+    events = []
+
+    class Server:
+        def __init__(self, name, *rest):
+            self.name = name
+            events.append(("start", name))
+
+        def wait_ready(self):
+            events.append(("ready", self.name))
+            if self.name == "broken":
+                raise driver.EngineError("broken exited")
+
+        def close(self):
+            events.append(("close", self.name))
+
+    monkeypatch.setattr(driver, "Server", Server)
+    with driver.serving_pair(("up",), ("pa",)) as (up, pa):
+        assert (up.name, pa.name) == ("up", "pa")
+    assert events == [("start", "up"), ("start", "pa"), ("ready", "up"), ("ready", "pa"), ("close", "up"), ("close", "pa")]
+    events.clear()
+    monkeypatch.setattr(driver, "ENGINE", "vllm-v0")  # V0 sizes its memory from what is free: one at a time
+    with driver.serving_pair(("up",), ("pa",)):
+        pass
+    assert events == [("start", "up"), ("ready", "up"), ("start", "pa"), ("ready", "pa"), ("close", "up"), ("close", "pa")]
+    events.clear()
+    with pytest.raises(driver.EngineError, match="broken exited"), driver.serving_pair(("up",), ("broken",)):
+        pass
+    assert events[-2:] == [("close", "up"), ("close", "broken")]

@@ -870,9 +870,9 @@ def serve_phase(results: dict, gpus: str, args) -> None:
 
     def ttft() -> None:
         chunk = ["--max-num-batched-tokens", "16384"]
-        with serving("serve-ttft-upstream", "upstream", gpus, model, 8101, chunk) as up, serving(
-            "serve-ttft-patched", "patched", gpus, model, 8102, [*chunk, "--attention-backend", "SPARSE_PREFILL"]
-        ) as pa:
+        with serving_pair(("serve-ttft-upstream", "upstream", gpus, model, 8101, chunk),
+                          ("serve-ttft-patched", "patched", gpus, model, 8102,
+                           [*chunk, "--attention-backend", "SPARSE_PREFILL"])) as (up, pa):  # fmt: skip
             table = ttft_pairs(up, pa, served_ttft, args.lengths, args.repeats, corpus, 500)
         results["serve_ttft"] = {"model": "smollm2", "engine": "vllm serve, streaming /v1/completions, "
                                  "--max-num-batched-tokens 16384 both sides; patched: --attention-backend "
@@ -900,6 +900,36 @@ class serving:
 
     def __exit__(self, *exc) -> None:
         self.server.close()
+
+
+class serving_pair:
+    """``with serving_pair(upstream_args, patched_args) as (up, pa)``: two ready servers, as serving's, stopped
+    on exit. vLLM 0.26's start side by side (each given its KV cache in bytes), so the pair is ready when the
+    slower is (the patched one compiling its kernels from an empty Triton cache took about a minute longer
+    than upstream's 82 s, one after the other, in run 15); V0's and SGLang's one at a time (starting)."""
+
+    def __init__(self, first: tuple, second: tuple):
+        self.specs, self.servers = (first, second), []
+
+    def __enter__(self) -> tuple[Server, Server]:
+        try:
+            if ENGINE == "vllm":
+                self.servers = [Server(*spec) for spec in self.specs]
+                for server in self.servers:
+                    server.wait_ready()
+            else:
+                for spec in self.specs:
+                    with starting():
+                        self.servers.append(Server(*spec))
+                        self.servers[-1].wait_ready()
+        except Exception:
+            self.__exit__()
+            raise
+        return self.servers[0], self.servers[1]
+
+    def __exit__(self, *exc) -> None:
+        for server in self.servers:
+            server.close()
 
 
 def mixed_stage(results: dict, gpus: str, tok, corpus: Corpus, model: Path, args) -> None:
@@ -1065,9 +1095,9 @@ def serve_bench_stage(results: dict, gpus: str, model: str, args) -> None:
     chunk = ["--max-num-batched-tokens", "16384"]
     tok = tokenizer_for(model)
     corpus = Corpus(tok, max(args.lengths) + 64 * 1024)
-    with serving(f"{model}-serve-upstream", "upstream", gpus, path, 8111, chunk) as up, serving(
-        f"{model}-serve-patched", "patched", gpus, path, 8112, [*chunk, "--attention-backend", "SPARSE_PREFILL"]
-    ) as pa:
+    with serving_pair((f"{model}-serve-upstream", "upstream", gpus, path, 8111, chunk),
+                      (f"{model}-serve-patched", "patched", gpus, path, 8112,
+                       [*chunk, "--attention-backend", "SPARSE_PREFILL"])) as (up, pa):  # fmt: skip
         table = ttft_pairs(up, pa, served_ttft, [prompt_len(model, n) for n in args.lengths], args.repeats, corpus, 500)
         server = {"vllm-v0": "vLLM 0.6.3's OpenAI server (v0_server)",
                   "sglang": "sglang.launch_server (sglang_server)"}.get(ENGINE, "vllm serve")
