@@ -309,9 +309,10 @@ def run_pytest(python: str, harness: Harness, package_dirs: list[Path], cwd: Pat
 
 
 def run_pytest_together(*runs: PytestRun) -> list[Outcomes]:
-    """The runs at once, each its own process (the unpatched and the patched tree share nothing they write;
-    on a GPU machine each side of upstream's GPU tests took over 5 minutes, mostly torch reference code on
-    the host, so side by side they take the time of one); all stopped if one cannot be waited for."""
+    """The runs at once, each its own process (the unpatched and the patched tree share nothing they write):
+    vLLM 0.6.3's CPU tests took 39 s side by side against 37 s + 37 s one after the other on 2 cores, and on
+    a GPU machine each side of its GPU tests had taken over 5 minutes. The others are stopped where one
+    fails to report or the wait is interrupted."""
     procs = []
     try:
         for run in runs:
