@@ -902,34 +902,22 @@ class serving:
         self.server.close()
 
 
-class serving_pair:
-    """``with serving_pair(upstream_args, patched_args) as (up, pa)``: two ready servers, as serving's, stopped
-    on exit. vLLM 0.26's start side by side (each given its KV cache in bytes), so the pair is ready when the
-    slower is (the patched one compiling its kernels from an empty Triton cache took about a minute longer
-    than upstream's 82 s, one after the other, in run 15); V0's and SGLang's one at a time (starting)."""
-
-    def __init__(self, first: tuple, second: tuple):
-        self.specs, self.servers = (first, second), []
-
-    def __enter__(self) -> tuple[Server, Server]:
-        try:
-            if ENGINE == "vllm":
-                self.servers = [Server(*spec) for spec in self.specs]
-                for server in self.servers:
-                    server.wait_ready()
-            else:
-                for spec in self.specs:
-                    with starting():
-                        self.servers.append(Server(*spec))
-                        self.servers[-1].wait_ready()
-        except Exception:
-            self.__exit__()
-            raise
-        return self.servers[0], self.servers[1]
-
-    def __exit__(self, *exc) -> None:
-        for server in self.servers:
-            server.close()
+@contextlib.contextmanager
+def serving_pair(first: tuple, second: tuple):
+    """``with serving_pair(upstream_args, patched_args) as (up, pa)``: two ready servers, each as serving's,
+    started at once where `starting` lets them (vLLM 0.26's: the pair is ready when the slower is, where run
+    15's patched server, compiling its kernels from an empty Triton cache, took about a minute longer than
+    upstream's 82 s one after the other) and one at a time elsewhere; both stopped on exit."""
+    pair = [serving(*first), serving(*second)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        entered = [pool.submit(server.__enter__) for server in pair]
+    try:
+        up, pa = (future.result() for future in entered)
+        yield up, pa
+    finally:
+        for server, future in zip(pair, entered):
+            if future.exception() is None:
+                server.__exit__(None, None, None)
 
 
 def mixed_stage(results: dict, gpus: str, tok, corpus: Corpus, model: Path, args) -> None:
